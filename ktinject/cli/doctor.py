@@ -1,0 +1,85 @@
+"""`ktinject doctor`: what this machine offers (Python, torch, transformers, CUDA, CPU ISA, native library)."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from rich.table import Table
+
+NAME = "doctor"
+HELP = "report Python, torch, transformers, CUDA, CPU ISA flags and the native library"
+
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def add_arguments(p) -> None:
+    pass
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ("unknown", {}) elsewhere."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return platform.processor() or "unknown", set()
+    name, flags = "unknown", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name == "unknown":
+            name = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return name, flags
+
+
+def run(args) -> int:
+    from . import console
+    import torch
+    rows = [("python", platform.python_version()), ("torch", torch.__version__)]
+    try:
+        import transformers
+        rows.append(("transformers", transformers.__version__))
+    except ImportError as exc:
+        rows.append(("transformers", f"[red]missing[/] ({exc})"))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            prop = torch.cuda.get_device_properties(i)
+            rows.append((f"cuda:{i}", f"{prop.name}, {prop.total_memory / 2**30:.0f} GiB, "
+                                      f"sm_{prop.major}{prop.minor}, CUDA {torch.version.cuda}"))
+    else:
+        rows.append(("cuda", "not available (CPU layouts only: the packs' '-cpu' overlays)"))
+    name, flags = cpu_flags()
+    import os
+    rows.append(("cpu", f"{name}, {os.cpu_count()} logical CPUs"))
+    rows.append(("cpu ISA", " ".join(f"[green]{f}[/]" if f in flags else f"[dim]-{f}[/]" for f in ISA_FLAGS)))
+    rows.append(("native library", _native()))
+    from ..operators import registry
+    rows.append(("operators", ", ".join(registry.names())))
+    from ..rules import pack_names
+    rows.append(("rule packs", ", ".join(pack_names())))
+    table = Table(show_header=False, show_edge=False, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    return 0
+
+
+def _native() -> str:
+    try:
+        from .. import native
+    except Exception as exc:  # noqa: BLE001 - a broken optional part is reported, not raised
+        return f"[red]cannot import[/] ({exc})"
+    describe = getattr(native, "describe", None)
+    if describe is None:
+        return "not part of this install"
+    try:
+        info = describe()
+    except Exception as exc:  # noqa: BLE001
+        return f"[red]error[/] ({exc})"
+    if not info.get("available"):
+        return f"[yellow]not built[/]: {info.get('reason')}"
+    return ", ".join(f"{k}={v}" for k, v in info.items() if k != "available")

@@ -1,0 +1,49 @@
+"""`ktinject run [MODEL] --rules R --prompt TEXT`: load, stream a completion, report tokens/s."""
+from __future__ import annotations
+
+import time
+
+from ._common import model_path, pick_rules
+
+# Model output goes to a terminal: control characters (escape sequences!) are shown as U+FFFD.
+_UNPRINTABLE = {c: "\ufffd" for c in [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)] if c not in (0x09, 0x0A)}
+
+NAME = "run"
+HELP = "load a model with rules and stream a completion (no MODEL: the built-in default model)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="model directory or GGUF file (default: a small built-in DeepSeek-V2-style MoE)")
+    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
+    p.add_argument("--prompt", "-p", default="Once upon a time", help="the prompt text")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
+    p.add_argument("--config-dir", help="a Hugging Face directory with config.json and tokenizer (for GGUF)")
+
+
+def run(args) -> int:
+    from . import console
+    from ..errors import ModelError
+    from ..generate import generate
+    from ..load import optimize_and_load
+    if args.max_new_tokens < 1:
+        raise ModelError("--max-new-tokens must be at least 1")
+    path = model_path(args.model)
+    rules = pick_rules(args.rules, path, console, args.config_dir)
+    t0 = time.perf_counter()
+    opts = {"config_dir": args.config_dir} if args.config_dir else {}
+    model, tokenizer = optimize_and_load(path, rules, dtype=args.dtype, **opts)
+    if tokenizer is None:
+        raise ModelError(f"{path} has no tokenizer; pass --config-dir with a Hugging Face tokenizer")
+    console.print(f"[dim]loaded {path} in {time.perf_counter() - t0:.1f} s[/]", highlight=False)
+    console.print(args.prompt, end="", markup=False, highlight=False, style="bold")
+    result = generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                      on_text=lambda piece: console.print(piece.translate(_UNPRINTABLE), end="", markup=False,
+                                                          highlight=False, soft_wrap=True))
+    console.print()
+    console.print(f"[dim]prefill:[/] {result.prompt_tokens} tokens, {result.prefill_tokens_per_s:.1f} tok/s   "
+                  f"[dim]decode:[/] {len(result.token_ids)} tokens, {result.decode_tokens_per_s:.1f} tok/s   "
+                  f"[dim]stop:[/] {result.stop_reason}", highlight=False)
+    return 0

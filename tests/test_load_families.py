@@ -1,0 +1,154 @@
+"""optimize_and_load on tiny safetensors models of the five families, through each pack's CPU layout.
+
+Tolerance: the loaded model runs the same float32 maths as the unmodified transformers model,
+only the routed experts are grouped differently (sum order), so logits agree to 1e-4 absolute
+(observed ~3e-6 with |logits| ~ 5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject import optimize_and_load
+from ktinject.operators.experts import TorchExperts
+from ktinject.operators.linear import TorchLinear
+from ktinject.testing import FAMILIES, build_tiny, save_tiny
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: save_tiny(f, root / f) for f in FAMILIES}
+
+
+def _ids(n=16, seed=0):
+    return torch.randint(3, 500, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_pack_logits_equal_reference(family, model_dirs):
+    ref = build_tiny(family)
+    model, tok = optimize_and_load(model_dirs[family], family.replace("_", "-") + "-cpu")
+    assert model.ktinject_plan.totals.keys() == {"cpu"}
+    experts = [m for m in model.modules() if isinstance(m, TorchExperts)]
+    assert len(experts) == sum(1 for n, _ in ref.named_modules() if n.endswith("mlp.experts"))
+    assert isinstance(model.lm_head, TorchLinear)
+    assert all(not p.is_meta for p in model.parameters())
+    ids = _ids()
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # incremental decode through the KV cache agrees too
+    with torch.no_grad():
+        out = model(ids[:, :-1], use_cache=True)
+        step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step[:, -1], want[:, -1], atol=ATOL, rtol=0)
+    assert tok is not None and tok.decode(tok("héllo")["input_ids"], skip_special_tokens=True) == "héllo"
+
+
+def test_experts_operator_matches_transformers_module():
+    ref = build_tiny("qwen3_moe")
+    original = ref.model.layers[1].mlp.experts
+    from ktinject.operators.base import BuildContext
+    ctx = BuildContext("x", torch.device("cpu"), torch.device("cpu"), torch.device("cpu"), torch.float32,
+                       ref.config, None)
+    op = TorchExperts.build(original, ctx)
+    op.load_weights("", {"gate_up_proj": original.gate_up_proj.data, "down_proj": original.down_proj.data})
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 256, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(37)])
+    w = torch.rand(37, 2, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(op(x, idx, w), original(x, idx, w), atol=1e-5, rtol=1e-5)
+        y16 = op(x.to(torch.bfloat16), idx, w.to(torch.bfloat16))
+    assert y16.dtype == torch.bfloat16
+
+
+def test_linear_operator_any_dtype():
+    lin = torch.nn.Linear(64, 32, bias=True)
+    from ktinject.operators.base import BuildContext
+    ctx = BuildContext("l", torch.device("cpu"), torch.device("cpu"), torch.device("cpu"), torch.bfloat16, None, None)
+    op = TorchLinear.build(lin, ctx)
+    op.load_weights("p.", {"p.weight": lin.weight.data, "p.bias": lin.bias.data})
+    assert op.weight.dtype == torch.bfloat16
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        y = op(x)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, lin(x), atol=3e-2, rtol=3e-2)
+
+
+def test_bfloat16_load(model_dirs):
+    ref = build_tiny("deepseek_v2").to(torch.bfloat16)
+    model, _ = optimize_and_load(model_dirs["deepseek_v2"], "deepseek-v2-cpu", dtype="bfloat16")
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.ktinject_plan.default_dtype == "bfloat16"
+    ids = _ids()
+    with torch.no_grad():
+        want, got = ref(ids).logits.float(), model(ids).logits.float()
+    # both run in bfloat16 with different summation orders: compare loosely, and the argmax
+    assert (got - want).abs().max() < 0.15
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_sharded_checkpoint(tmp_path):
+    ref = build_tiny("qwen2_moe")
+    ref.save_pretrained(tmp_path, max_shard_size="1MB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 3
+    model, tok = optimize_and_load(tmp_path, "qwen2-moe-cpu")
+    assert tok is None        # this directory has no tokenizer: loading still works
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_fused_checkpoint_names_pass_through(tmp_path, model_dirs):
+    from safetensors.torch import save_file
+    import shutil
+    ref = build_tiny("mixtral")
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dirs["mixtral"] / f, tmp_path / f)
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    model, _ = optimize_and_load(tmp_path, "mixtral-cpu")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_tied_embeddings(tmp_path):
+    ref = build_tiny("qwen3_moe", tie_word_embeddings=True)
+    ref.save_pretrained(tmp_path)
+    model, _ = optimize_and_load(tmp_path, "qwen3-moe-cpu")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_phase_split_rule(tmp_path, model_dirs):
+    from ktinject import phase
+    from ktinject.phase import PhaseDispatch
+    rules = tmp_path / "split.yaml"
+    rules.write_text("version: 1\ninclude: [mixtral-cpu]\nrules:\n"
+                     "  - match: {name: 'model\\.layers\\.\\d+\\.mlp\\.experts'}\n"
+                     "    replace: {prefill_op: keep, generate_op: experts, device: cpu}\n")
+    model, _ = optimize_and_load(model_dirs["mixtral"], rules)
+    disp = model.model.layers[0].mlp.experts
+    assert isinstance(disp, PhaseDispatch) and isinstance(disp.generate, TorchExperts)
+    assert type(disp.prefill).__name__ == "MixtralExperts"
+    ref = build_tiny("mixtral")
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+        with phase.use("prefill"):
+            assert phase.current() == "prefill"
+            pre = model(ids).logits
+        assert phase.current() == "generate"
+        gen = model(ids).logits
+    torch.testing.assert_close(pre, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(gen, want, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError):
+        with phase.use("decode"):
+            pass

@@ -1,0 +1,202 @@
+"""plan(): pure data over a config; the hybrid packs planned without CUDA; precedence rules."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from ktinject.errors import PlacementError, RuleError
+from ktinject.rules.plan import plan
+from ktinject.testing import FAMILIES, tiny_config
+
+PACK = {f: f.replace("_", "-") for f in FAMILIES}
+
+
+def write(tmp_path, text, name="r.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text).lstrip("\n"))
+    return p
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_pack_layout(family):
+    config = tiny_config(family)
+    p = plan(config, PACK[family])
+    by = p.by_name()
+    assert by["model.embed_tokens"].device == "cpu" and by["model.embed_tokens"].rule
+    moe_layers = [e for e in p.entries if e.name.endswith("mlp.experts")]
+    assert moe_layers and all(e.op == "experts" and e.device == "cpu" and not e.recursive for e in moe_layers)
+    # nothing inside a recursive: false subtree is planned separately
+    assert not any(".mlp.experts." in e.name for e in p.entries)
+    assert all(e.device == "cuda" for e in p.entries if ".self_attn" in e.name)
+    assert by["lm_head"].op == "linear" and by["lm_head"].device == "cuda"
+    assert by["model.norm"].device == "cuda" and by["model.norm"].rule is None     # from defaults
+    for e in p.entries:
+        if "shared_expert" in e.name:
+            assert e.device == "cuda"
+    if family.startswith("deepseek"):
+        assert by["model.layers.0.mlp"].device == "cuda" and by["model.layers.0.mlp"].rule   # dense layer
+    assert p.unmatched_rules == ()
+    # routed experts dominate the CPU total: all expert bytes are there
+    expert_bytes = sum(e.bytes["cpu"] for e in moe_layers)
+    e_count = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None) or \
+        config.num_local_experts
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    n_moe = len(moe_layers)
+    assert expert_bytes == n_moe * e_count * 3 * inter * config.hidden_size * 4
+    assert p.totals["cpu"] == expert_bytes + config.vocab_size * config.hidden_size * 4
+    total_params = sum(t.numel() for t in _reference_tensors(family))
+    assert sum(p.totals.values()) == total_params * 4
+
+
+def _reference_tensors(family):
+    from ktinject.rules.skeleton import build_skeleton
+    m = build_skeleton(tiny_config(family))
+    return [*m.parameters(), *m.buffers()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_overlay_moves_everything_to_cpu(family):
+    p = plan(tiny_config(family), PACK[family] + "-cpu")
+    assert set(p.totals) == {"cpu"}
+    assert {e.device for e in p.entries} == {"cpu"}
+    hybrid = plan(tiny_config(family), PACK[family])
+    assert sum(p.totals.values()) == sum(hybrid.totals.values())
+    assert [e.rule for e in p.matched] == [e.rule for e in hybrid.matched]   # same rules, same lines
+
+
+def test_first_match_wins_and_inheritance(tmp_path):
+    r = write(tmp_path, r"""
+        version: 1
+        defaults: {device: cpu}
+        rules:
+          - match: {name: 'model\.layers\.0\.self_attn'}
+            replace: {op: keep, device: cuda:1}
+          - match: {name: 'model\.layers\.\d+\.self_attn'}
+            replace: {op: keep, device: cuda}
+          - match: {class: Linear}
+            replace: {op: linear}
+          - match: {name: 'nothing\.matches'}
+            replace: {op: keep}
+        """)
+    p = plan(tiny_config("mixtral"), r)
+    by = p.by_name()
+    assert by["model.layers.0.self_attn"].device == "cuda:1" and by["model.layers.0.self_attn"].rule.endswith(":4")
+    assert by["model.layers.1.self_attn"].device == "cuda" and by["model.layers.1.self_attn"].rule.endswith(":6")
+    # children of a matched keep are visited: q_proj matches the Linear rule and inherits cuda:1
+    q = by["model.layers.0.self_attn.q_proj"]
+    assert q.op == "linear" and q.device == "cuda:1" and q.rule.endswith(":8")
+    assert by["model.layers.0.mlp"].device == "cpu" and by["model.layers.0.mlp"].rule is None
+    assert by["lm_head"].op == "linear" and by["lm_head"].device == "cpu"
+    assert len(p.unmatched_rules) == 1 and ":10" in p.unmatched_rules[0]
+    assert by[""].device == "cpu"
+
+
+def test_class_match_by_qualified_name_and_base_class(tmp_path):
+    r = write(tmp_path, """
+        version: 1
+        rules:
+          - match: {class: transformers.models.mixtral.modeling_mixtral.MixtralRMSNorm}
+            replace: {op: keep, device: cuda}
+          - match: {name: 'model\\.layers\\.\\d+', class: Module}
+            replace: {op: keep, device: cuda:2}
+            recursive: false
+        """)
+    p = plan(tiny_config("mixtral"), r)
+    by = p.by_name()
+    assert by["model.norm"].device == "cuda" and by["model.norm"].rule.endswith(":3")
+    assert by["model.layers.0"].device == "cuda:2"
+    assert not any(e.name.startswith("model.layers.0.") for e in p.entries)
+    assert by["model.layers.0"].bytes["cuda:2"] > 0 and by["model.layers"].rule is None
+
+
+def test_phase_split_rule_is_planned_with_both_devices(tmp_path):
+    r = write(tmp_path, r"""
+        version: 1
+        rules:
+          - match: {name: 'model\.layers\.\d+\.mlp\.experts'}
+            replace: {op: experts, prefill_device: cuda, generate_device: cpu}
+        """)
+    p = plan(tiny_config("qwen3_moe"), r)
+    e = p.entry("model.layers.0.mlp.experts")
+    assert e.split and e.prefill_device == "cuda" and e.device == "cpu"
+    assert e.bytes["cuda"] == e.bytes["cpu"] > 0 and not e.recursive
+
+
+def test_placement_error_without_cuda_and_recorded_fallback(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-CUDA path")
+    with pytest.raises(PlacementError) as info:
+        plan(tiny_config("deepseek_v2"), "deepseek-v2", check_devices=True)
+    assert "-cpu" in str(info.value)
+    r = write(tmp_path, r"""
+        version: 1
+        defaults: {device: cpu}
+        rules:
+          - match: {name: 'lm_head'}
+            replace: {op: linear, device: cuda, fallback_device: cpu}
+        """)
+    p = plan(tiny_config("mixtral"), r, check_devices=True)
+    e = p.entry("lm_head")
+    assert e.device == "cpu" and "cuda -> cpu" in e.fallback and p.fallbacks == (e,)
+    assert plan(tiny_config("mixtral"), r).entry("lm_head").device == "cuda"   # pure plan: no device check
+
+
+def test_op_that_cannot_replace_the_class(tmp_path):
+    r = write(tmp_path, r"""
+        version: 1
+        rules:
+          - match: {name: 'model\.norm'}
+            replace: {op: linear}
+        """)
+    with pytest.raises(RuleError) as info:
+        plan(tiny_config("mixtral"), r)
+    assert info.value.line == 3 and "Linear" in info.value.allowed and "MixtralRMSNorm" in str(info.value)
+
+
+def test_dtype_precedence(tmp_path):
+    r = write(tmp_path, r"""
+        version: 1
+        defaults: {dtype: bfloat16}
+        rules:
+          - match: {name: 'lm_head'}
+            replace: {op: linear, dtype: float16}
+        """)
+    p = plan(tiny_config("mixtral"), r)
+    assert p.default_dtype == "bfloat16" and p.entry("lm_head").dtype == "float16"
+    assert p.entry("model.norm").dtype == "bfloat16"
+    assert p.entry("lm_head").bytes["cpu"] == 512 * 256 * 2
+    p32 = plan(tiny_config("mixtral"), r, dtype=torch.float32)
+    assert p32.entry("model.norm").dtype == "float32" and p32.entry("lm_head").dtype == "float16"
+
+
+def test_plan_is_json_and_pure(tmp_path):
+    config = tiny_config("deepseek_v3")
+    a, b = plan(config, "deepseek-v3"), plan(config, "deepseek-v3")
+    assert a == b
+    data = json.loads(a.to_json())
+    assert data["totals"] == dict(a.totals) and data["unmatched_rules"] == []
+    mod = {m["name"]: m for m in data["modules"]}
+    assert mod["model.layers.1.mlp.experts"]["op"] == "experts" and mod["model.layers.1.mlp.experts"]["rule"]
+
+
+def test_plan_accepts_a_skeleton():
+    from ktinject.rules.skeleton import build_skeleton
+    sk = build_skeleton(tiny_config("qwen2_moe"))
+    assert all(p.is_meta for p in sk.parameters())
+    assert not sk.model.rotary_emb.inv_freq.is_meta
+    assert plan(sk, "qwen2-moe").totals == plan(tiny_config("qwen2_moe"), "qwen2-moe").totals
+
+
+def test_example_rule_file_plans():
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples" / "custom_rule.yaml"
+    p = plan(tiny_config("deepseek_v2"), example)
+    by = p.by_name()
+    assert by["model.layers.1.mlp.experts"].device == "cuda" and by["model.layers.2.mlp.experts"].device == "cuda"
+    assert by["lm_head"].dtype == "float32" and by["model.norm"].dtype == "bfloat16"
+    # the tiny model has two MoE layers, both taken by the example: the pack's experts rule and its
+    # lm_head rule are shadowed, and reported as matching nothing
+    assert len(p.unmatched_rules) == 2 and all("deepseek-v2.yaml" in r for r in p.unmatched_rules)
