@@ -1,0 +1,92 @@
+"""Device boundaries along the trunk, and moving tensors across them once per forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject.boundaries import Boundary, TransferMemo, attach_memo
+from ktinject.load import install_device_hooks
+from ktinject.rules.plan import plan
+from ktinject.testing import build_tiny, tiny_config
+
+TWO_GPU = [("deepseek-v2-2gpu", "deepseek_v2", 27, 14), ("deepseek-v3-2gpu", "deepseek_v3", 61, 31),
+           ("qwen3-moe-2gpu", "qwen3_moe", 48, 24)]
+
+
+@pytest.mark.parametrize("pack,family,layers,split", TWO_GPU)
+def test_two_gpu_overlay_plans_layer_ranges(pack, family, layers, split):
+    p = plan(tiny_config(family, num_hidden_layers=layers), pack)
+    e = p.by_name()
+    for i in range(layers):
+        want = "cuda:1" if i >= split else "cuda:0"
+        assert e[f"model.layers.{i}"].device == want
+        assert e[f"model.layers.{i}.self_attn"].device == want          # GPU parts follow their layer
+        experts = e.get(f"model.layers.{i}.mlp.experts")
+        if experts is not None:
+            assert experts.device == "cpu"                             # routed experts stay on the CPU
+    assert e["model.embed_tokens"].device == "cpu"
+    assert p.boundaries == (Boundary("model.layers.0", "cpu", "cuda:0"),
+                            Boundary(f"model.layers.{split}", "cuda:0", "cuda:1"),
+                            Boundary("model.norm", "cuda:1", "cuda:0"))
+    assert not p.unmatched_rules
+    assert {b["module"] for b in p.to_dict()["boundaries"]} == {"model.layers.0", f"model.layers.{split}",
+                                                                 "model.norm"}
+
+
+def test_single_device_plans_have_no_boundaries():
+    assert plan(tiny_config("mixtral"), "mixtral-cpu").boundaries == ()
+    # a bare "cuda" and "cuda:0" are the same device: no boundary between them
+    assert [b.module for b in plan(tiny_config("qwen3_moe"), "qwen3-moe").boundaries] == ["model.layers.0"]
+
+
+def test_memo_moves_a_tensor_once_per_device_until_cleared():
+    memo = TransferMemo()
+    t = torch.randn(4, 8)
+    a = memo.move(t, torch.device("meta"))
+    b = memo.move(t, torch.device("meta"))
+    assert a is b and a.device.type == "meta" and memo.transfers == 1
+    assert memo.move(t, torch.device("cpu")) is t and memo.transfers == 1   # already there: no copy
+    nested = memo.move_all({"x": (t, [t]), "n": 3}, torch.device("meta"))
+    assert nested["x"][0] is a and nested["x"][1][0] is a and nested["n"] == 3 and memo.transfers == 1
+    t.add_(1)                                                              # changed in place: copy again
+    assert memo.move(t, torch.device("meta")) is not a and memo.transfers == 2
+    memo.clear()
+    assert memo.move(t, torch.device("meta")) is not a and memo.transfers == 3
+
+
+def test_root_forward_clears_the_memo():
+    model = build_tiny("qwen3_moe")
+    memo = attach_memo(model)
+    assert attach_memo(model) is memo                                      # one memo per model
+    memo.move(torch.ones(2), torch.device("meta"))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    assert not memo._moved                                                 # cleared after the forward
+
+
+def test_hooks_share_the_models_memo():
+    model = build_tiny("deepseek_v2")
+    n = install_device_hooks(model, plan(model, "deepseek-v2"))
+    assert n > 0 and isinstance(model.ktinject_transfers, TransferMemo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,pack", [("deepseek_v2", "deepseek-v2"), ("qwen3_moe", "qwen3-moe")])
+def test_cpu_cuda_layer_split_matches_reference(family, pack, tmp_path):
+    """Layer 0 (all of it) on the CPU, the others on cuda:0: the one-GPU stand-in for two GPUs."""
+    from ktinject import optimize_and_load
+    from ktinject.testing import save_tiny
+    rules = tmp_path / "split.yaml"
+    rules.write_text(f"version: 1\ninclude: [{pack}]\nrules:\n"
+                     "  - match: {name: 'model\\.layers\\.0'}\n    replace: {op: keep, device: cpu}\n")
+    d = save_tiny(family, tmp_path / family)
+    model, _ = optimize_and_load(d, str(rules))
+    assert [str(b) for b in model.ktinject_plan.boundaries] == ["model.layers.1: cpu -> cuda"]
+    assert model.model.layers[0].self_attn.o_proj.weight.device.type == "cpu"
+    assert model.model.layers[1].self_attn.o_proj.weight.device.type == "cuda"
+    ref = build_tiny(family)
+    ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids).logits.cpu()
+        want = ref(ids).logits
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)

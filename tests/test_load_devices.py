@@ -1,0 +1,48 @@
+"""Mixed-device layouts: which modules get input-moving hooks; the hybrid packs on a real GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktinject.load import install_device_hooks
+from ktinject.rules.plan import plan
+from ktinject.testing import FAMILIES, build_tiny, save_tiny
+
+
+def _hooked(model):
+    return {n for n, m in model.named_modules() if m._forward_pre_hooks}
+
+
+def test_hooks_only_where_a_parent_spans_devices():
+    model = build_tiny("deepseek_v2")
+    p = plan(model, "deepseek-v2")           # hybrid plan, not loaded: only the structure matters
+    n = install_device_hooks(model, p)
+    hooked = _hooked(model) - {""}           # the root's own hooks clear the transfer memo
+    assert n == len(hooked) > 0
+    assert "model.embed_tokens" in hooked and "lm_head" in hooked and "model.rotary_emb" in hooked
+    assert "model.layers.1" in hooked and "model.layers.1.self_attn" in hooked
+    assert "model.layers.1.mlp.gate" in hooked and "model.layers.1.mlp.shared_experts" in hooked
+    # inside a single-device subtree nothing is hooked
+    assert "model.layers.1.self_attn.q_proj" not in hooked and "model.layers.0.mlp.gate_proj" not in hooked
+
+
+def test_no_hooks_for_single_device_plans():
+    model = build_tiny("mixtral")
+    assert install_device_hooks(model, plan(model, "mixtral-cpu")) == 0 and not _hooked(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_pack_on_gpu_matches_reference(family, tmp_path):
+    from ktinject import optimize_and_load
+    d = save_tiny(family, tmp_path / family)
+    model, _ = optimize_and_load(d, family.replace("_", "-"))
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+    assert model.lm_head.weight.device.type == "cuda"
+    ref = build_tiny(family)
+    ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits.cpu()
+        want = ref(ids).logits
+    # GPU float32 matmuls may use TF32: compare loosely
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
