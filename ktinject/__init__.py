@@ -11,12 +11,14 @@ __version__ = "0.1.0"
 from .errors import (KtInjectError, LoadError, ModelError, NativeError, PlacementError, RuleError,
                      UnknownOperatorError, UnsupportedQuantError, WeightError)
 
+# Imported eagerly: importing the submodule `ktinject.generate` would otherwise rebind the
+# package attribute `generate` to the module and hide the function.
+from .generate import GenerationResult, generate, stream_generate  # noqa: E402
+
 _LAZY = {
     "optimize_and_load": ("ktinject.load", "optimize_and_load"),
     "plan": ("ktinject.rules.plan", "plan"),
     "load_rules": ("ktinject.rules.parse", "load_rules"),
-    "generate": ("ktinject.generate", "generate"),
-    "stream_generate": ("ktinject.generate", "stream_generate"),
 }
 
 
@@ -28,5 +30,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'ktinject' has no attribute {name!r}")
 
 
-__all__ = ["KtInjectError", "LoadError", "ModelError", "NativeError", "PlacementError", "RuleError",
+__all__ = ["GenerationResult", "generate", "stream_generate", "KtInjectError", "LoadError", "ModelError", "NativeError", "PlacementError", "RuleError",
            "UnknownOperatorError", "UnsupportedQuantError", "WeightError", *_LAZY]

@@ -1,12 +1,30 @@
-"""Prefill + decode loop. (Minimal first version; the GPU issue replaces the internals with a
-static KV cache, chunked prefill and CUDA-graph decode while keeping this API.)"""
+"""The generation engine: prompt -> text, with a static KV cache, chunked prefill, CUDA-graph
+decode, sampling, EOS and stop strings, and prefill / decode tokens per second.
+
+* Cache: a transformers `StaticCache` sized up front (prompt + max_new_tokens, rounded up) for
+  the model's own attention layers; modules with their own cache (`mla_attention`) get
+  `reserve(batch, length)` before the first token. Positions are always passed explicitly.
+* Prefill runs in chunks of `chunk_size` tokens under `ktinject.phase.use("prefill")`; only
+  the last token's logits are computed (`logits_to_keep=1`).
+* Decode runs under `use("generate")`, one token per step. With `cuda_graph="auto"` the step is
+  captured once (after one eager step) in a CUDA graph and replayed per token when the model can be captured: every
+  parameter and buffer on CUDA and no module declaring `supports_cuda_graph = False` (CPU
+  operators such as native routed experts synchronise with the host, so they run eagerly).
+  When capture is impossible or fails, decode runs eagerly and `GenerationResult.decode_mode`
+  says why; nothing falls back silently.
+"""
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -17,6 +35,8 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     stop_reason: str = "length"          # "length" | "eos" | "stop"
+    decode_mode: str = "eager"           # "cuda-graph" or "eager (<why>)"
+    cache: str = "static"                # "static" | "dynamic"
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -28,6 +48,44 @@ class GenerationResult:
         return n / self.decode_seconds if self.decode_seconds > 0 and n else float("nan")
 
 
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.0             # 0: greedy
+    top_k: int = 0                       # 0: off
+    top_p: float = 1.0                   # 1: off
+    repetition_penalty: float = 1.0      # 1: off (CTRL-style: divide positive logits, multiply negative)
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
+            raise ValueError(f"invalid sampling options {self}")
+
+
+def sample_next(logits: torch.Tensor, history: torch.Tensor, opts: SamplingOptions,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits: [V] -> token id (0-d long tensor). history: long [n] of tokens seen so far."""
+    logits = logits.float()
+    if opts.repetition_penalty != 1.0 and history.numel():
+        seen = history.unique()
+        vals = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(vals > 0, vals / opts.repetition_penalty, vals * opts.repetition_penalty)
+    if opts.temperature <= 0:
+        return logits.argmax()
+    logits = logits / opts.temperature
+    if opts.top_k:
+        kth = torch.topk(logits, min(opts.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if opts.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > opts.top_p       # keep the smallest set reaching top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+# ---- model plumbing -------------------------------------------------------------------------
 def _input_device(model) -> torch.device:
     emb = model.get_input_embeddings()
     for p in emb.parameters():
@@ -35,48 +93,223 @@ def _input_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the cache argument `cache`, earlier 5.x `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _phase(name: str):
+    try:
+        from . import phase
+    except ImportError:                   # the phase module is optional for the engine
+        return contextlib.nullcontext()
+    return phase.use(name)
+
+
+def _graph_blocker(model, device: torch.device) -> Optional[str]:
+    """Why the decode step cannot be captured in a CUDA graph (None: it can)."""
+    if device.type != "cuda":
+        return "not on CUDA"
+    for name, mod in model.named_modules():
+        if getattr(mod, "supports_cuda_graph", True) is False:
+            return f"{name or type(mod).__name__} does not support CUDA graphs"
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type != "cuda":
+            return f"{name} lives on {t.device}"
+    return None
+
+
+def _rewind(cache: Any, length: int) -> None:
+    """Set a static cache's own length counters back to `length` (after warm-up / capture)."""
+    for layer in getattr(cache, "layers", ()):
+        cl = getattr(layer, "cumulative_length", None)
+        if isinstance(cl, torch.Tensor):
+            cl.fill_(length)
+
+
+def _make_cache(model, length: int, batch: int, device: torch.device, static: bool):
+    from transformers import DynamicCache, StaticCache
+    for mod in model.modules():
+        if hasattr(mod, "reserve") and callable(mod.reserve) and mod is not model:
+            mod.reserve(batch, length)
+    if static:
+        try:
+            return StaticCache(config=model.config, max_cache_len=length), "static"
+        except Exception as exc:           # an architecture transformers cannot size statically
+            log.warning("static cache unavailable (%s); using a dynamic cache", exc)
+    return DynamicCache(config=model.config), "dynamic"
+
+
+class _Stepper:
+    """Runs model steps with explicit positions; optionally captures the decode step in a graph."""
+
+    def __init__(self, model, cache, device):
+        self.model, self.cache, self.device = model, cache, device
+        self.kw = {_cache_kwarg(model): cache, "use_cache": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            self.kw["logits_to_keep"] = 1
+        self.graph = None
+
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
+        return self.model(input_ids=ids, position_ids=pos, **self.kw).logits[:, -1]
+
+    def capture(self, pos: int) -> None:
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.full((1, 1), pos, dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        # Warm-up with host synchronisation turned into an error: code that syncs (data-dependent
+        # control flow, host copies) cannot be captured, and is found here without breaking the
+        # CUDA context the way a failed capture would.
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                self.model(input_ids=self.ids, position_ids=self.pos, **self.kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            torch.cuda.current_stream().wait_stream(side)
+            _rewind(self.cache, pos)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self.model(input_ids=self.ids, position_ids=self.pos, **self.kw).logits[:, -1]
+        _rewind(self.cache, pos)
+        self.graph = graph
+
+    def decode(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.graph is None:
+            return self.forward(tok.view(1, 1), pos)
+        self.ids.copy_(tok.view(1, 1))
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None),
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of `text` that may begin a stop string (or an unfinished character)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    if text.endswith("\ufffd"):
+        hold = max(hold, 1)
+    return hold
+
+
+# ---- the loop -------------------------------------------------------------------------------
 @torch.inference_mode()
-def stream_generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64,
-                    stop: Sequence[str] = (), result: Optional[dict] = None) -> Iterator[str]:
-    """Yield decoded text pieces as tokens come (greedy). Fills `result` with timings."""
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(_input_device(model))
-    eos = tokenizer.eos_token_id
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
+                    stop: Sequence[str] = (), result: Optional[dict] = None, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                    seed: Optional[int] = None, chunk_size: int = 512, cuda_graph: str = "auto",
+                    max_cache_len: Optional[int] = None, static_cache: bool = True) -> Iterator[str]:
+    """Yield decoded text pieces as tokens come. Fills `result` with the GenerationResult fields.
+
+    `prompt` is text or token ids. `cuda_graph`: "auto" (capture when possible), "off", or
+    "require" (raise if the model cannot be captured).
+    """
+    if cuda_graph not in ("auto", "off", "require"):
+        raise ValueError(f"cuda_graph must be auto, off or require, got {cuda_graph!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    opts = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+    device = _input_device(model)
+    ids = (tokenizer(prompt, return_tensors="pt")["input_ids"] if isinstance(prompt, str)
+           else torch.tensor([list(prompt)], dtype=torch.long)).to(device)
+    n_prompt = ids.shape[1]
+    if n_prompt == 0:
+        raise ValueError("empty prompt")
+    length = max_cache_len or -(-(n_prompt + max_new_tokens + 1) // 256) * 256
+    cache, cache_kind = _make_cache(model, length, 1, device, static_cache)
+    stepper = _Stepper(model, cache, device)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    eos = _eos_ids(model, tokenizer)
+
     t0 = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    with _phase("prefill"):
+        for start in range(0, n_prompt, chunk_size):
+            logits = stepper.forward(ids[:, start:start + chunk_size], start)
+    history = ids[0]
+    nxt = sample_next(logits[0], history, opts, gen)
+    first = int(nxt)
     t1 = time.perf_counter()
+
+    blocker = "disabled" if cuda_graph == "off" else _graph_blocker(model, device)
+    mode = f"eager ({blocker})" if blocker else "cuda-graph"
+    if blocker and cuda_graph == "require":
+        raise RuntimeError(f"cuda_graph='require' but the decode step cannot be captured: {blocker}")
+
     tokens: list[int] = []
-    text_so_far = ""
-    reason = "length"
-    for _ in range(max_new_tokens):
-        tok = int(nxt)
-        if eos is not None and tok == eos:
-            reason = "eos"
-            break
-        tokens.append(tok)
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        piece, text_so_far = text[len(text_so_far):], text
-        yield piece
-        if any(s in text_so_far for s in stop):
-            reason = "stop"
-            break
-        if len(tokens) == max_new_tokens:
-            break
-        out = model(input_ids=nxt.to(ids.device), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    emitted, reason, text = 0, "length", ""
+    tok = first
+    with _phase("generate"):
+        for step in range(max_new_tokens):
+            if tok in eos:
+                reason = "eos"
+                break
+            tokens.append(tok)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            hit = min((text.find(s) for s in stop if s and s in text), default=-1)
+            if hit >= 0:
+                text = text[:hit]
+                reason = "stop"
+                break
+            safe = len(text) - _held_back(text, stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if len(tokens) == max_new_tokens:
+                break
+            pos = n_prompt + step
+            # the first decode step runs eagerly (kernels compile, caches settle), then capture
+            if mode == "cuda-graph" and stepper.graph is None and step >= 1:
+                try:
+                    stepper.capture(pos)
+                except Exception as exc:     # report, then decode eagerly from a clean state
+                    _rewind(cache, pos)
+                    stepper.graph = None
+                    mode = f"eager (capture failed: {type(exc).__name__}: {str(exc)[:120]})"
+                    if cuda_graph == "require":
+                        raise
+                    log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            history = torch.cat([history, nxt.view(1)])
+            logits = stepper.decode(nxt, pos)
+            nxt = sample_next(logits[0], history, opts, gen)
+            tok = int(nxt)
+    if len(text) > emitted:
+        yield text[emitted:]
     t2 = time.perf_counter()
     if result is not None:
-        result.update(text=text_so_far, token_ids=tokens, prompt_tokens=ids.shape[1], prefill_seconds=t1 - t0,
-                      decode_seconds=t2 - t1, stop_reason=reason)
+        result.update(text=text, token_ids=tokens, prompt_tokens=n_prompt, prefill_seconds=t1 - t0,
+                      decode_seconds=t2 - t1, stop_reason=reason, decode_mode=mode, cache=cache_kind)
 
 
-def generate(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, stop: Sequence[str] = (),
-             on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
-    """Generate a completion of `prompt`; `on_text` receives each decoded piece as it comes."""
+def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
+             stop: Sequence[str] = (), on_text: Optional[Callable[[str], None]] = None,
+             **options) -> GenerationResult:
+    """Generate a completion of `prompt`; `on_text` receives each decoded piece as it comes.
+
+    `options`: temperature, top_k, top_p, repetition_penalty, seed (sampling); chunk_size,
+    cuda_graph ("auto" | "off" | "require"), max_cache_len, static_cache (engine).
+    """
     info: dict = {}
-    for piece in stream_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop=stop, result=info):
+    for piece in stream_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop=stop,
+                                 result=info, **options):
         if on_text:
             on_text(piece)
     return GenerationResult(**info)

@@ -1,0 +1,85 @@
+"""`ktinject chat MODEL --rules R`: interactive multi-turn chat with streaming output.
+
+The conversation goes through the tokenizer's chat template each turn. Commands: `/reset`
+(forget the conversation), `/exit` (or end of input).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+from ..errors import ModelError
+from ._common import model_path, pick_rules
+
+NAME = "chat"
+HELP = "interactive multi-turn chat with a model (chat template from its tokenizer, streaming)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory or GGUF file (default: built-in model)")
+    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
+    p.add_argument("--system", help="a system message to start the conversation with")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=256, help="tokens per reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
+    p.add_argument("--config-dir", help="a Hugging Face directory with config.json and tokenizer (for GGUF)")
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation with the assistant's turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError("the tokenizer has no chat template; use `ktinject run` for plain completion")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return [int(i) for i in ids]
+
+
+def chat_loop(model, tokenizer, read: Callable[[], Optional[str]], write: Callable[[str], None],
+              system: Optional[str] = None, **gen_options) -> list[dict]:
+    """Run turns until `read` returns None or /exit; returns the conversation."""
+    from ..generate import generate
+    base = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    while True:
+        line = read()
+        if line is None or line.strip() in ("/exit", "/quit"):
+            return messages
+        if line.strip() == "/reset":
+            messages = list(base)
+            write("[conversation cleared]\n")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        result = generate(model, tokenizer, prompt_ids(tokenizer, messages), on_text=write, **gen_options)
+        write("\n")
+        messages.append({"role": "assistant", "content": result.text})
+
+
+def run(args) -> int:
+    from . import console
+    from ..load import optimize_and_load
+    path = model_path(args.model)
+    rules = pick_rules(args.rules, path, console, args.config_dir)
+    opts = {"config_dir": args.config_dir} if args.config_dir else {}
+    model, tokenizer = optimize_and_load(path, rules, dtype=args.dtype, **opts)
+    if tokenizer is None:
+        raise ModelError(f"{path} has no tokenizer; pass --config-dir with a Hugging Face tokenizer")
+    console.print("[dim]chat: /reset clears the conversation, /exit or Ctrl-D quits[/]")
+
+    def read() -> Optional[str]:
+        try:
+            return console.input("[bold green]you>[/] ")
+        except EOFError:
+            return None
+
+    def write(piece: str) -> None:
+        console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+
+    chat_loop(model, tokenizer, read, write, system=args.system, max_new_tokens=args.max_new_tokens,
+              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              repetition_penalty=args.repetition_penalty, chunk_size=args.chunk_size)
+    return 0
