@@ -1,0 +1,59 @@
+"""Tiny models of the five families, converted with several recipes, loaded by `optimize_and_load`
+with the CPU packs: logits close to the unmodified transformers model holding the same
+(dequantized) weights."""
+import pytest
+import torch
+
+from ktinject.testing import FAMILIES, save_tiny
+from ktinject.weights import as_dense, gguf_write, open_source
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+CPU_PACK = {"deepseek_v2": "deepseek-v2-cpu", "deepseek_v3": "deepseek-v3-cpu", "qwen2_moe": "qwen2-moe-cpu",
+            "qwen3_moe": "qwen3-moe-cpu", "mixtral": "mixtral-cpu"}
+PRESETS = {"deepseek_v2": ["q4_k_m", "q8_0"], "deepseek_v3": ["q4_k_x", "bf16"], "qwen2_moe": ["q5_k_m", "q4_0"],
+           "qwen3_moe": ["q6_k", "q8_0"], "mixtral": ["q4_k_m", "f16"]}
+
+
+def reference(path):
+    """The unmodified transformers model with the file's weights dequantized to float32."""
+    from transformers import AutoModelForCausalLM
+    src = open_source(path)
+    model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({k: as_dense(v, torch.float32) for k, v in src.items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    src.close()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_e2e")
+    return {fam: save_tiny(fam, root / fam) for fam in FAMILIES}
+
+
+@pytest.mark.parametrize("family,preset", [(f, p) for f in FAMILIES for p in PRESETS[f]])
+def test_logits_match_reference(hf_dirs, tmp_path, family, preset):
+    from ktinject.load import optimize_and_load
+    path = gguf_write.convert_model(hf_dirs[family], tmp_path / "m.gguf", preset, progress=False)[0]
+    model, tok = optimize_and_load(path, rules=CPU_PACK[family], dtype=torch.float32)
+    ref = reference(path)
+    ids = torch.tensor([tok("The quick brown fox").input_ids + [5, 77, 300]])
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 2e-2, (family, preset, float(err))
+
+
+def test_split_directory_loads_like_single_file(hf_dirs, tmp_path):
+    from ktinject.load import optimize_and_load
+    hf = hf_dirs["qwen3_moe"]
+    single = gguf_write.convert_model(hf, tmp_path / "one" / "m.gguf", "q8_0", progress=False)[0]
+    parts = gguf_write.convert_model(hf, tmp_path / "split" / "m.gguf", "q8_0", split_max_tensors=8, progress=False)
+    assert len(parts) > 1
+    ids = torch.tensor([[1, 40, 50, 60]])
+    with torch.no_grad():
+        a = optimize_and_load(single, rules=CPU_PACK["qwen3_moe"], dtype=torch.float32)[0](ids).logits
+        b = optimize_and_load(tmp_path / "split", rules=CPU_PACK["qwen3_moe"], dtype=torch.float32)[0](ids).logits
+    assert torch.equal(a, b)

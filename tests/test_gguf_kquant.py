@@ -1,0 +1,75 @@
+"""Our K-quant quantizers: layout read back exactly by gguf's reference, error (SQNR) thresholds."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+
+from ktinject.weights import kquant, quants
+
+# Minimum SQNR (dB) on N(0, 1) data; Q4_0/Q5_0/Q8_0 from the gguf package make ~21.3/27.4/45.4.
+THRESHOLDS = {"Q4_K": 22.5, "Q5_K": 28.5, "Q6_K": 34.5}
+BASELINE = {"Q4_K": "Q4_0", "Q5_K": "Q5_0", "Q6_K": "Q5_1"}
+
+
+def _data(kind: str, n_blocks: int = 512, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gaussian":
+        return torch.randn(n_blocks, 256, generator=g)
+    if kind == "laplace":
+        u = torch.rand(n_blocks, 256, generator=g) - 0.5
+        return -torch.sign(u) * torch.log1p(-2 * u.abs())
+    if kind == "outliers":
+        x = torch.randn(n_blocks, 256, generator=g) * 0.02
+        x[:, ::37] *= 50
+        return x
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
+@pytest.mark.parametrize("kind", ["gaussian", "laplace", "outliers"])
+def test_sqnr_beats_legacy_and_threshold(name, kind):
+    x = _data(kind)
+    blocks = kquant.QUANTIZERS[name](x)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (512, quants.QUANTS[QT[name]].type_size)
+    # the gguf package's numpy dequantizer is the reference reader of the layout
+    ref = gq.dequantize(blocks.numpy(), QT[name]).reshape(x.shape)
+    ours = quants.QUANTS[QT[name]].dequantize_blocks(blocks)
+    np.testing.assert_array_equal(ours.numpy(), ref)
+    sqnr = kquant.sqnr_db(x, torch.from_numpy(ref))
+    legacy = QT[BASELINE[name]]
+    base = kquant.sqnr_db(x, torch.from_numpy(gq.dequantize(gq.quantize(x.numpy(), legacy), legacy)))
+    assert sqnr > base, (name, kind, sqnr, base)
+    if kind == "gaussian":
+        assert sqnr > THRESHOLDS[name], (name, sqnr)
+
+
+@pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
+@pytest.mark.parametrize("case", ["zeros", "constant", "negative", "small", "underflow", "huge", "one_spike"])
+def test_edge_blocks(name, case):
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3))
+    x = {"zeros": torch.zeros(8, 256), "constant": torch.full((8, 256), 0.3), "negative": -x.abs() - 0.1,
+         "small": x * 1e-3, "underflow": x * 1e-7, "huge": x * 1e4, "one_spike": torch.zeros(8, 256).index_fill_(1, torch.tensor([5]), 2.0)}[case]
+    y = quants.QUANTS[QT[name]].dequantize_blocks(kquant.QUANTIZERS[name](x))
+    assert torch.isfinite(y).all()
+    if case == "zeros":
+        assert torch.equal(y, torch.zeros_like(x))
+    elif case == "underflow":        # scales below fp16's range: the format can only give zeros
+        assert y.abs().max() <= x.abs().max()
+    else:
+        assert kquant.sqnr_db(x, y) > 15, case
+
+
+def test_scale_packing_round_trip():
+    g = torch.Generator().manual_seed(0)
+    sc = torch.randint(0, 64, (100, 8), generator=g, dtype=torch.uint8)
+    mn = torch.randint(0, 64, (100, 8), generator=g, dtype=torch.uint8)
+    got_sc, got_mn = quants.k_scale_min(kquant._pack_scales_k(sc, mn))
+    assert torch.equal(got_sc, sc) and torch.equal(got_mn, mn)
+
+
+def test_multi_dim_input_and_empty():
+    x = torch.randn(3, 2, 512)
+    blocks = kquant.quantize_q4_k(x)
+    assert blocks.shape == (12, 144)
+    assert kquant.quantize_q6_k(torch.empty(0, 256)).numel() == 0
