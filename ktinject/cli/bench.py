@@ -1,0 +1,167 @@
+"""`ktinject bench experts ...`: native routed-experts layer throughput against the machine's
+measured memory read bandwidth. The first positional argument selects the target: `experts`
+(this benchmark); anything else is reserved for a model-level `ktinject bench MODEL` later.
+
+The weight set spans several GiB (layers are cycled) so that decode numbers measure memory,
+not the last-level cache; the denominator is a native streaming-read probe run in the same
+process with the same thread count (all threads, widest loads, best of several passes).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from ..errors import KtInjectError, NativeError
+
+NAME = "bench"
+HELP = "benchmark the native CPU experts (`bench experts`); model-level benchmarks later"
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+TARGETS = {}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise KtInjectError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("target", help="'experts' (routed-experts layer); a model path is reserved for later")
+    g = p.add_argument_group("experts")
+    g.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: DeepSeek-V2-Lite 2048)")
+    g.add_argument("--inter", type=int, default=1408, help="expert intermediate size I (default 1408)")
+    g.add_argument("--experts", type=int, default=64, help="routed experts per layer E (default 64)")
+    g.add_argument("--topk", type=int, default=6, help="experts per token k (default 6)")
+    g.add_argument("--quant", default="q4_k", help="weight type(s), comma-separated: q4_0,q8_0,q4_k,q5_k,q6_k,bf16")
+    g.add_argument("--batch", default="1", help="tokens per call, comma-separated (e.g. 1,512)")
+    g.add_argument("--threads", default="0", help="worker threads, comma-separated (0 = all CPUs)")
+    g.add_argument("--isa", default=None, help="force an ISA path: scalar, avx2, avx512, amx")
+    g.add_argument("--gib", type=float, default=4.0, help="size of the cycled weight set in GiB (default 4)")
+    g.add_argument("--probe-gib", type=float, default=4.0, help="bandwidth probe buffer in GiB (default 4)")
+    g.add_argument("--seconds", type=float, default=1.0, help="time budget per configuration (default 1 s)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
+
+
+def run(args) -> int:
+    fn = TARGETS.get(args.target)
+    if fn is None:
+        raise KtInjectError(f"bench target {args.target!r} is not available yet (allowed: {', '.join(TARGETS)})")
+    return fn(args)
+
+
+def _make_layers(qt, dqt, E: int, H: int, I: int, gib: float):
+    """Enough layers of random valid blocks to span `gib` GiB (copies, so each is distinct memory)."""
+    from ..native import ExpertMatrix
+    from ..native.synth import random_rows
+    gate = random_rows(qt, E * I, H, seed=1)
+    up = random_rows(qt, E * I, H, seed=2)
+    down = random_rows(dqt, E * H, I, seed=3)
+    layer_bytes = gate.numel() + up.numel() + down.numel()
+    n = max(1, int(gib * GIB // layer_bytes))
+    layers = []
+    for i in range(n):
+        g, u, d = (gate, up, down) if i == 0 else (gate.clone(), up.clone(), down.clone())
+        layers.append((ExpertMatrix(int(qt), g, E, I, H, "gate"), ExpertMatrix(int(qt), u, E, I, H, "up"),
+                       ExpertMatrix(int(dqt), d, E, H, I, "down")))
+    return layers, layer_bytes
+
+
+def down_type(qt, inter: int):
+    """The down projection's type: llama.cpp stores rows that are not a multiple of 256 (V2-Lite's
+    1408) in a fallback type; we follow it where we can: q4_k -> q5_0, q5_k and q6_k -> q8_0."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+    if inter % GGML_QUANT_SIZES[qt][0] == 0:
+        return qt
+    return {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q8_0, QT.Q6_K: QT.Q8_0}.get(qt, QT.Q8_0)
+
+
+def _routing(T: int, E: int, k: int, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.contiguous()       # distinct experts per token
+    w = torch.rand(T, k, generator=g).contiguous()
+    return ids, w
+
+
+def bench_experts(args) -> int:
+    import torch
+    from .. import native
+    from ..native import MoEKernel, Pool, probe_read_gbps
+    from ..native.synth import parse_quant
+    if not native.available():
+        raise NativeError(native.missing_reason() or "native kernels unavailable")
+    try:
+        quants = [parse_quant(q) for q in args.quant.split(",")]
+    except ValueError as exc:
+        raise KtInjectError(str(exc)) from None
+    batches, threads_list = _ints(args.batch), _ints(args.threads)
+    E, H, I, k = args.experts, args.hidden, args.inter, args.topk
+    if k > E or min(batches) < 1:
+        raise KtInjectError("need 1 <= topk <= experts and batch >= 1")
+    isa_name = native.ISAS[native.isa_index(args.isa)]
+    rows = []
+    bw_cache: dict[int, float] = {}
+    for qt in quants:
+        dqt = down_type(qt, I)
+        layers, layer_bytes = _make_layers(qt, dqt, E, H, I, args.gib)
+        expert_bytes = layer_bytes // E
+        for nth in threads_list:
+            pool = Pool(nth)
+            if pool.threads not in bw_cache:
+                bw_cache[pool.threads] = probe_read_gbps(pool, int(args.probe_gib * GIB), reps=5, isa_name=args.isa)
+            bw = bw_cache[pool.threads]
+            kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa) for g, u, d in layers]
+            for T in batches:
+                x = torch.randn(T, H)
+                routes = [_routing(T, E, k, seed) for seed in range(4)]
+                for i, kern in enumerate(kernels):          # warm up every layer once
+                    kern(x, *routes[i % 4])
+                n_calls, t0 = 0, time.perf_counter()
+                bytes_read = 0
+                while True:
+                    kern = kernels[n_calls % len(kernels)]
+                    ids, w = routes[n_calls % 4]
+                    kern(x, ids, w)
+                    bytes_read += int(torch.unique(ids).numel()) * expert_bytes if T > 1 else k * expert_bytes
+                    n_calls += 1
+                    el = time.perf_counter() - t0
+                    if el >= args.seconds and n_calls >= 2 * len(kernels) or n_calls >= 100000:
+                        break
+                ms = 1e3 * el / n_calls
+                gbps = bytes_read / el / 1e9
+                flops = 2.0 * 3 * H * I * T * k
+                row = {"quant": qt.name.lower(), "down_quant": dqt.name.lower(), "batch": T, "threads": pool.threads, "isa": isa_name,
+                       "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
+                       "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
+                       "tflops": round(flops / (ms / 1e3) / 1e12, 3), "layers": len(layers),
+                       "weight_set_gib": round(len(layers) * layer_bytes / GIB, 2),
+                       "shape": {"hidden": H, "inter": I, "experts": E, "topk": k}}
+                rows.append(row)
+                if args.json:
+                    sys.stdout.write(json.dumps(row) + "\n")     # machine-readable: one object per line
+                    sys.stdout.flush()
+            del kernels, pool
+    if not args.json:
+        _table(rows)
+    return 0
+
+
+def _table(rows) -> None:
+    from rich.table import Table
+    from . import console
+    t = Table(title="routed-experts layer (native)")
+    for col in ("quant", "batch", "threads", "isa", "ms/layer", "tok/s", "GB/s", "probe GB/s", "fraction", "TFLOPS"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["quant"], str(r["batch"]), str(r["threads"]), r["isa"], f"{r['ms_per_layer']:.3f}",
+                  f"{r['tokens_per_s']:.0f}", f"{r['gbps']:.1f}", f"{r['bandwidth_gbps']:.1f}",
+                  f"{r['fraction']:.2f}", f"{r['tflops']:.2f}")
+    console.print(t)
+
+
+TARGETS["experts"] = bench_experts

@@ -1,0 +1,239 @@
+"""Python side of the native CPU kernels (C sources in `native/`, built by cffi).
+
+* `available()` / `load()`: the compiled module, or a `NativeError` saying why it is missing.
+* `describe()`: which ISA paths were compiled, which ones this CPU can run, which one runs.
+* `isa()`: the path in use: the best one, or `KTINJECT_ISA=scalar|avx2|avx512|amx`.
+* `Pool`: the persistent pinned thread pool; `default_pool(threads)` shares one per size.
+* `MoEKernel`: one routed-experts layer over GGUF blocks with `forward`, `submit`, `sync`.
+* `gemv`, `dequant_row`, `probe_read_gbps`: single kernels for tests and the bench.
+
+Every call checks dtype, shape, contiguity and bounds first, so bad input raises a
+`NativeError` naming the argument, never a crash in C.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional
+
+import torch
+
+from ..errors import NativeError
+
+log = logging.getLogger(__name__)
+
+ISAS = ("scalar", "avx2", "avx512", "amx")
+ENV_ISA = "KTINJECT_ISA"
+_ERRORS = {-1: "invalid argument", -2: "expert id out of range", -3: "out of memory",
+           -4: "a job is already in flight on this pool", -5: "ISA path not available on this CPU"}
+
+_lib = None
+_ffi = None
+_load_error: Optional[str] = None
+_lock = threading.Lock()
+
+
+def _import():
+    global _lib, _ffi, _load_error
+    if _lib is not None or _load_error is not None:
+        return
+    try:
+        from . import _ktkernels  # type: ignore[attr-defined]
+    except ImportError as exc:
+        _load_error = (f"the native extension ktinject.native._ktkernels is not built ({exc}); "
+                       "install with a C compiler (gcc) present, or run `python -m ktinject.native.build`")
+        return
+    _lib, _ffi = _ktkernels.lib, _ktkernels.ffi
+
+
+def ensure_built() -> bool:
+    """Development helper: build the extension in place when it is missing and gcc exists
+    (tests call this so a fresh checkout tests the native path instead of skipping it)."""
+    global _load_error
+    if available():
+        return True
+    import shutil
+    if shutil.which("gcc") is None:
+        return False
+    from .build import build_inplace
+    try:
+        build_inplace()
+    except Exception as exc:  # compiler errors: report through missing_reason()
+        _load_error = f"in-place build failed: {exc}"
+        return False
+    _load_error = None
+    _import()
+    return _lib is not None
+
+
+def available() -> bool:
+    _import()
+    return _lib is not None
+
+
+def missing_reason() -> Optional[str]:
+    _import()
+    return _load_error
+
+
+def load():
+    """(lib, ffi) of the extension; raises NativeError with the reason when it is missing."""
+    _import()
+    if _lib is None:
+        raise NativeError(_load_error or "native extension unavailable")
+    return _lib, _ffi
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise NativeError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def usable_isas() -> list[str]:
+    lib, _ = load()
+    f = lib.ktk_cpu_features()
+    return [name for i, name in enumerate(ISAS) if f >> i & 1]
+
+
+def isa_index(name: Optional[str] = None) -> int:
+    """Index of the ISA path to run: `name`, else $KTINJECT_ISA, else the best usable one."""
+    lib, _ = load()
+    name = name or os.environ.get(ENV_ISA) or None
+    if name is None:
+        return int(lib.ktk_best_isa())
+    if name not in ISAS:
+        raise NativeError(f"{ENV_ISA}={name!r} is not an ISA path (allowed: {', '.join(ISAS)})")
+    if name not in usable_isas():
+        raise NativeError(f"ISA path {name!r} is not usable on this CPU (usable: {', '.join(usable_isas())})")
+    return ISAS.index(name)
+
+
+def isa() -> str:
+    return ISAS[isa_index()]
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def describe() -> dict:
+    """Facts for `ktinject doctor`: compiled / usable ISA paths, the one that runs, threads."""
+    if not available():
+        return {"available": False, "reason": missing_reason()}
+    lib, _ = load()
+    compiled = [n for i, n in enumerate(ISAS) if lib.ktk_compiled_isas() >> i & 1]
+    try:
+        running = isa()
+        err = None
+    except NativeError as exc:
+        running, err = None, str(exc)
+    out = {"available": True, "compiled": compiled, "usable": usable_isas(), "isa": running,
+           "amx_permission": bool(lib.ktk_amx_permission()), "threads": cpu_count(),
+           "forced_by": ENV_ISA if os.environ.get(ENV_ISA) else None}
+    if err:
+        out["error"] = err
+    return out
+
+
+class Pool:
+    """A persistent pool of `threads` pinned workers (0: one per CPU of the affinity mask)."""
+
+    def __init__(self, threads: int = 0, pin: bool = True):
+        lib, ffi = load()
+        if threads < 0:
+            raise NativeError(f"threads must be >= 0, got {threads}")
+        ptr = lib.ktk_pool_new(int(threads), int(bool(pin)))
+        if ptr == ffi.NULL:
+            raise NativeError(f"could not start a pool of {threads} threads")
+        self._ptr = ffi.gc(ptr, lib.ktk_pool_free)
+        self.threads = int(lib.ktk_pool_threads(ptr))
+        self.numa_nodes = int(lib.ktk_pool_numa_nodes(ptr))
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+
+_pools: dict[int, Pool] = {}
+
+
+def default_pool(threads: int = 0) -> Pool:
+    """One shared pool per thread count (layers of a model share workers)."""
+    threads = int(threads) if threads and threads > 0 else cpu_count()
+    with _lock:
+        if threads not in _pools:
+            _pools[threads] = Pool(threads)
+        return _pools[threads]
+
+
+def _ptr(ffi, t: torch.Tensor, ctype: str):
+    return ffi.cast(ctype, t.data_ptr())
+
+
+def _need(t, name: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise NativeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise NativeError(f"{name}: must be on the CPU, is on {t.device}")
+    if t.dtype != dtype:
+        raise NativeError(f"{name}: dtype must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise NativeError(f"{name}: expected {ndim} dimensions, got shape {list(t.shape)}")
+    if not t.is_contiguous():
+        raise NativeError(f"{name}: must be contiguous")
+    return t
+
+
+def row_bytes(ggml_type: int, n: int) -> int:
+    lib, _ = load()
+    rb = int(lib.ktk_row_bytes(int(ggml_type), int(n)))
+    if rb < 0:
+        raise NativeError(f"GGML type {ggml_type} is not supported natively or {n} is not a multiple of its block")
+    return rb
+
+
+def dequant_row(ggml_type: int, row: torch.Tensor, n: int, isa_name: Optional[str] = None) -> torch.Tensor:
+    """One GGML row to f32 [n] with the ISA path's dequantizer (the grouped/prefill path's)."""
+    lib, ffi = load()
+    _need(row, "row", torch.uint8, 1)
+    if row.numel() != row_bytes(ggml_type, n):
+        raise NativeError(f"row: expected {row_bytes(ggml_type, n)} bytes for {n} values, got {row.numel()}")
+    out = torch.empty(n, dtype=torch.float32)
+    check(lib.ktk_dequant_row_isa(isa_index(isa_name), int(ggml_type), _ptr(ffi, row, "uint8_t *"),
+                                 _ptr(ffi, out, "float *"), n), "dequant_row")
+    return out
+
+
+def gemv(ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor, isa_name: Optional[str] = None) -> torch.Tensor:
+    """y = W x with W as GGML rows (uint8 [rows, row_bytes]) and x f32 [n]; one thread."""
+    lib, ffi = load()
+    _need(w, "w", torch.uint8, 2)
+    _need(x, "x", torch.float32, 1)
+    rb = row_bytes(ggml_type, n)
+    if w.shape[1] != rb:
+        raise NativeError(f"w: rows of {w.shape[1]} bytes, expected {rb} for {n} values of type {ggml_type}")
+    if x.numel() != n:
+        raise NativeError(f"x: expected {n} values, got {x.numel()}")
+    y = torch.empty(w.shape[0], dtype=torch.float32)
+    check(lib.ktk_gemv(isa_index(isa_name), int(ggml_type), _ptr(ffi, w, "uint8_t *"), rb, w.shape[0], n,
+                       _ptr(ffi, x, "float *"), _ptr(ffi, y, "float *")), "gemv")
+    return y
+
+
+def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[str] = None) -> float:
+    lib, _ = load()
+    v = float(lib.ktk_probe_read_gbps(pool.ptr, isa_index(isa_name), int(nbytes), int(reps)))
+    if v < 0:
+        raise NativeError(f"bandwidth probe failed (buffer of {nbytes} bytes)")
+    return v
+
+
+from .moe import MoEKernel, ExpertMatrix  # noqa: E402  (needs the helpers above)
+
+__all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
+           "dequant_row", "gemv", "isa", "isa_index", "load", "missing_reason", "probe_read_gbps", "row_bytes",
+           "usable_isas"]

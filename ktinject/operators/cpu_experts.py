@@ -1,0 +1,213 @@
+"""`cpu_experts`: routed experts computed by the native CPU kernels, on GGUF blocks.
+
+Replaces the transformers 5 fused `*Experts` modules with the same call signature,
+`forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`; inputs may live
+on another device (CUDA): they are copied to the CPU and the result goes back there. It also
+offers `submit(...)` (returns at once) and `sync() -> Tensor`, which the `moe` operator uses to
+overlap the CPU experts with GPU work.
+
+Weights: GGUF experts stay as they are (memory-mapped GGML blocks, zero copy): gate and up
+arrive as a `FusedTensor((gate [E, I, H], up [E, I, H]), dim=1)`, down as `[E, H, I]`. Dense
+weights (safetensors) are converted once at load to `quant` (bf16 by default; q8_0, q4_0,
+q4_k, q5_k, q6_k). GGML types the kernels do not handle are an error unless
+`convert_unsupported` asks for a conversion to `quant`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from ..errors import LoadError, ModelError, NativeError, UnsupportedQuantError
+from ..weights.tensor import FusedTensor, GGMLTensor, logical_shape
+from .base import BuildContext, Operator
+from .registry import register
+
+log = logging.getLogger(__name__)
+
+# GGML type ids the native kernels compute on (gguf.GGMLQuantizationType values).
+NATIVE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14, "bf16": 30}
+# Dense-source conversions: name -> bits per weight (for the plan's byte count).
+CONVERT_BITS = {"f32": 32.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
+ISAS = ("scalar", "avx2", "avx512", "amx")
+EXPERT_CLASSES = ("DeepseekV2Experts", "DeepseekV3Experts", "DeepseekV3NaiveMoe", "Qwen2MoeExperts",
+                  "Qwen3MoeExperts", "MixtralExperts")
+
+
+@dataclass(frozen=True)
+class CpuExpertsOptions:
+    threads: int = 0                     # worker threads (0: one per CPU of the affinity mask)
+    quant: str = "bf16"                  # storage for dense (safetensors) weights
+    isa: Optional[str] = None            # force an ISA path (default: best, or $KTINJECT_ISA)
+    convert_unsupported: bool = False    # convert GGML types the kernels lack to `quant` (else error)
+
+    def __post_init__(self):
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.quant not in CONVERT_BITS:
+            raise ValueError(f"quant {self.quant!r} is not one of {', '.join(CONVERT_BITS)}")
+        if self.isa is not None and self.isa not in ISAS:
+            raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISAS)}")
+
+
+def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
+    """Dense [R, C] -> (ggml type, uint8 [R, row_bytes]) in the requested format."""
+    w = w.detach().to("cpu", torch.float32).contiguous()
+    rows, cols = w.shape
+    if quant == "bf16":
+        return NATIVE_TYPES["bf16"], w.to(torch.bfloat16).view(torch.uint8).contiguous()
+    if quant == "f32":
+        return NATIVE_TYPES["f32"], w.view(torch.uint8).contiguous()
+    block = 256 if quant.endswith("_k") else 32
+    if cols % block:
+        raise UnsupportedQuantError(f"cannot store as {quant}: rows of {cols} values are not a multiple of "
+                                    f"{block}; choose quant=bf16 or q8_0", tensor=name)
+    if quant in ("q8_0", "q4_0"):
+        import gguf
+        qt = gguf.GGMLQuantizationType[quant.upper()]
+        data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
+    else:
+        try:
+            from ..weights import kquant
+        except ImportError:
+            raise NativeError(f"{name}: quant={quant} needs ktinject.weights.kquant, which is missing") from None
+        fn = getattr(kquant, f"quantize_{quant}")
+        data = fn(w.reshape(-1, 256))
+    return NATIVE_TYPES[quant], data.reshape(rows, -1).contiguous()
+
+
+@register("cpu_experts")
+class CpuExperts(Operator):
+    Options = CpuExpertsOptions
+    replaces = EXPERT_CLASSES
+    device_types = ("cpu",)
+    summary = "native routed experts on GGUF blocks (AVX2/AVX-512/AMX), async submit/sync"
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, options: CpuExpertsOptions, name: str = ""):
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.options, self.name = options, name
+        self.kernel = None
+        self._loaded_prefix: Optional[str] = None
+        self._pending = None
+
+    @classmethod
+    def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
+        gu, down = getattr(original, "gate_up_proj", None), getattr(original, "down_proj", None)
+        if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
+            raise ModelError(f"{ctx.name}: cpu_experts needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]; "
+                             f"{type(original).__name__} has none")
+        act = getattr(ctx.config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelError(f"{ctx.name}: cpu_experts computes SiLU(gate) * up; the model uses {act!r}")
+        if getattr(original, "has_bias", False):
+            raise ModelError(f"{ctx.name}: cpu_experts has no expert biases")
+        e, two_i, h = (int(s) for s in gu.shape)
+        from .. import native
+        if not native.available():
+            raise NativeError(f"{ctx.name}: {native.missing_reason()}")
+        return cls(e, h, two_i // 2, ctx.options or CpuExpertsOptions(), ctx.name)
+
+    @classmethod
+    def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
+        opts = ctx.options or CpuExpertsOptions()
+        n = sum(p.numel() for p in original.parameters())
+        return {"cpu": int(n * CONVERT_BITS[opts.quant] / 8)}
+
+    # ---------------------------------------------------------------- loading
+
+    def _matrices(self, gu: Any, down: Any, prefix: str):
+        from ..native import ExpertMatrix
+        E, H, I = self.num_experts, self.hidden, self.inter
+        key_gu, key_d = prefix + "gate_up_proj", prefix + "down_proj"
+        if logical_shape(gu) != (E, 2 * I, H):
+            raise LoadError("tensor shape differs from the model",
+                            mismatched=[f"{key_gu} (file {list(logical_shape(gu))}, model {[E, 2 * I, H]})"])
+        if logical_shape(down) != (E, H, I):
+            raise LoadError("tensor shape differs from the model",
+                            mismatched=[f"{key_d} (file {list(logical_shape(down))}, model {[E, H, I]})"])
+        if isinstance(gu, FusedTensor) and len(gu.parts) == 2 and gu.dim == 1:
+            gate = self._one(gu.parts[0], key_gu + "[gate]", I, H)
+            up = self._one(gu.parts[1], key_gu + "[up]", I, H)
+        else:
+            t, data = self._raw(gu, key_gu, 2 * I, H)
+            gate = ExpertMatrix(t, data, E, I, H, key_gu + "[gate]", stride=2 * I, offset=0)
+            up = ExpertMatrix(t, data, E, I, H, key_gu + "[up]", stride=2 * I, offset=I)
+        return gate, up, self._one(down, key_d, H, I)
+
+    def _one(self, t: Any, name: str, rows: int, cols: int):
+        from ..native import ExpertMatrix
+        ggml, data = self._raw(t, name, rows, cols)
+        return ExpertMatrix(ggml, data, self.num_experts, rows, cols, name)
+
+    def _raw(self, t: Any, name: str, rows: int, cols: int) -> tuple[int, torch.Tensor]:
+        """(ggml type, uint8 rows [E*rows, row_bytes]) of one stacked weight, converting if needed."""
+        if isinstance(t, GGMLTensor):
+            if t.ggml_type in NATIVE_TYPES.values():
+                data = t.data if t.data.is_contiguous() else t.data.contiguous()
+                return t.ggml_type, data
+            if not self.options.convert_unsupported:
+                raise UnsupportedQuantError(
+                    f"GGML type {t.type_name} has no native kernel (native: "
+                    f"{', '.join(k for k in NATIVE_TYPES)}); set kwargs convert_unsupported: true to convert it "
+                    f"to {self.options.quant} at load", file=t.file or None, tensor=t.name or name)
+            log.warning("%s: converting %s to %s at load (convert_unsupported)", name, t.type_name, self.options.quant)
+            dense = t.dequantize(torch.float32)
+        elif isinstance(t, FusedTensor):
+            dense = t.dequantize(torch.float32)
+        elif isinstance(t, torch.Tensor):
+            dense = t
+        else:
+            raise LoadError(f"unsupported weight kind {type(t).__name__}", mismatched=[name])
+        return _quantize(dense.reshape(-1, cols), self.options.quant, name)
+
+    def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
+        keys = {prefix + "gate_up_proj", prefix + "down_proj"}
+        if self._loaded_prefix == prefix and self.kernel is not None:
+            return keys                       # already loaded (a parent `moe` asked first)
+        missing = sorted(k for k in keys if k not in source)
+        if missing:
+            raise LoadError("tensor not found in the weights", missing=missing)
+        from ..native import MoEKernel
+        gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
+        self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa)
+        self._loaded_prefix = prefix
+        return keys
+
+    # ---------------------------------------------------------------- compute
+
+    def _inputs(self, hidden_states, top_k_index, top_k_weights):
+        if self.kernel is None:
+            raise NativeError(f"{self.name or 'cpu_experts'}: weights are not loaded")
+        # hidden: [T, H] -> f32 CPU; ids: [T, k] -> i64 CPU; weights: [T, k] -> f32 CPU
+        x = hidden_states.detach().to("cpu", torch.float32).contiguous()
+        ids = top_k_index.detach().to("cpu", torch.int64).contiguous()
+        w = top_k_weights.detach().to("cpu", torch.float32).contiguous()
+        return x, ids, w
+
+    def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """Start the routed experts on the CPU pool and return at once (see `sync`)."""
+        x, ids, w = self._inputs(hidden_states, top_k_index, top_k_weights)
+        self.kernel.submit(x, ids, w)
+        self._pending = (hidden_states.device, hidden_states.dtype)
+
+    def sync(self) -> torch.Tensor:
+        """Wait for the submitted work; the result [T, H] on the caller's device and dtype."""
+        if self._pending is None:
+            raise NativeError(f"{self.name or 'cpu_experts'}: sync() without submit()")
+        device, dtype = self._pending
+        self._pending = None
+        out = self.kernel.sync()
+        return out.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        self.submit(hidden_states, top_k_index, top_k_weights)
+        return self.sync()
+
+    def extra_repr(self) -> str:
+        return (f"op=cpu_experts, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
+                f"threads={self.options.threads or 'all'}, quant={self.options.quant}")

@@ -1,0 +1,87 @@
+/* ktk: native CPU kernels of ktinject (routed MoE experts on GGUF blocks).
+ *
+ * The public surface is narrow on purpose: pointers, sizes, strides. The Python wrapper
+ * (ktinject/native) checks dtype, shape, contiguity and bounds before it calls in; the C side
+ * re-checks what is cheap (types, sizes, expert ids) and returns a negative KTK_E* code.
+ */
+#ifndef KTK_H
+#define KTK_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* ISA paths (runtime dispatch; one shared object holds them all). */
+#define KTK_ISA_SCALAR 0
+#define KTK_ISA_AVX2 1      /* AVX2 + FMA + F16C */
+#define KTK_ISA_AVX512 2    /* AVX-512 F/BW/VL (+VNNI for int8 dots) */
+#define KTK_ISA_AMX 3       /* AVX-512 for decode, AMX-BF16 tiles for grouped (prefill) work */
+
+/* GGML type ids (gguf.GGMLQuantizationType). */
+#define KTK_F32 0
+#define KTK_F16 1
+#define KTK_Q4_0 2
+#define KTK_Q5_0 6
+#define KTK_Q8_0 8
+#define KTK_Q4_K 12
+#define KTK_Q5_K 13
+#define KTK_Q6_K 14
+#define KTK_BF16 30
+
+/* Error codes. */
+#define KTK_OK 0
+#define KTK_EINVAL -1      /* bad argument (sizes, types) */
+#define KTK_ERANGE -2      /* an expert id out of range */
+#define KTK_ENOMEM -3
+#define KTK_EBUSY -4       /* a job is already in flight on this pool */
+#define KTK_EISA -5        /* the requested ISA is not available */
+
+/* ---- CPU features and ISA selection ---- */
+int ktk_cpu_features(void);              /* bit i set: ISA i usable on this CPU (and compiled) */
+int ktk_compiled_isas(void);             /* bit i set: ISA i compiled into this library */
+int ktk_best_isa(void);
+int ktk_amx_permission(void);            /* 1 when Linux granted AMX tile state */
+
+/* ---- thread pool ---- */
+typedef struct ktk_pool ktk_pool;
+ktk_pool *ktk_pool_new(int nthreads, int pin);   /* nthreads <= 0: all CPUs of the affinity mask */
+void ktk_pool_free(ktk_pool *p);
+int ktk_pool_threads(const ktk_pool *p);
+int ktk_pool_numa_nodes(const ktk_pool *p);
+
+/* ---- quant facts and single-row helpers (tests, conversions) ---- */
+int ktk_type_block(int type);            /* values per block, 0 if unsupported */
+int ktk_type_size(int type);             /* bytes per block */
+int64_t ktk_row_bytes(int type, int64_t n);   /* -1 if n is not a multiple of the block */
+int ktk_dequant_row(int type, const uint8_t *src, float *dst, int64_t n);
+int ktk_dequant_row_isa(int isa, int type, const uint8_t *src, float *dst, int64_t n);   /* the ISA's version */
+/* y[r] = dot(row r of W, x) for r < rows; the kernel the MoE decode path uses. */
+int ktk_gemv(int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
+             const float *x, float *y);
+
+/* ---- the fused MoE layer ---- */
+typedef struct {
+    int gate_type, up_type, down_type;   /* GGML types */
+    int64_t n_experts, hidden, inter;     /* E, H, I */
+    const uint8_t *gate;                  /* [E*I, gate_rb] */
+    const uint8_t *up;                    /* [E*I, up_rb]   */
+    const uint8_t *down;                  /* [E*H, down_rb] */
+    int64_t gate_rb, up_rb, down_rb;      /* row bytes */
+    int64_t gate_es, up_es, down_es;      /* bytes from one expert to the next (0: rows * row bytes) */
+} ktk_moe_desc;
+
+typedef struct ktk_moe ktk_moe;
+ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err);
+void ktk_moe_free(ktk_moe *m);
+
+/* out[t] = sum_j w[t,j] * down_e(SiLU(gate_e x_t) * up_e x_t), e = ids[t,j].
+ * x: [T, H] f32, ids: [T, k] int64, w: [T, k] f32, out: [T, H] f32.
+ * submit returns at once (the pool's workers compute); sync waits and returns the status. */
+int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
+                   const int64_t *ids, const float *w, float *out);
+int ktk_moe_sync(ktk_moe *m, ktk_pool *p);
+int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
+                    const int64_t *ids, const float *w, float *out);
+
+/* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ---- */
+double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
+
+#endif

@@ -1,0 +1,91 @@
+/* Internal declarations shared by the ktk sources (not part of the cffi surface). */
+#ifndef KTK_INT_H
+#define KTK_INT_H
+#include "ktk.h"
+#include <string.h>
+
+#define QK 32          /* activation block: 32 values */
+#define QKK 256        /* K-quant super-block */
+
+/* Activations quantized on the fly. One vector of n values becomes an "activation record":
+ * n/32 ktk_q8 blocks (for Q4_0/Q5_0/Q8_0), then, when n % 256 == 0, n/256 ktk_q8k blocks (for
+ * the K-quants, whose integer sums then need only one float multiply per 256 values). */
+typedef struct {
+    float d;          /* x[i] ~= d * q[i] */
+    float ds;         /* d * sum(q) */
+    int16_t s[2];     /* sum of q over each 16-half */
+    int8_t q[QK];
+} ktk_q8;
+typedef struct {
+    float d;
+    int16_t bsums[16];  /* sum of q over each 16 values */
+    int8_t q[QKK];
+} ktk_q8k;
+static inline size_t ktk_act_bytes(int64_t n) {
+    return (size_t)(n / QK) * sizeof(ktk_q8) + (n % QKK ? 0 : (size_t)(n / QKK) * sizeof(ktk_q8k));
+}
+static inline const ktk_q8k *ktk_act_k(const ktk_q8 *xq, int64_t n) { return (const ktk_q8k *)(xq + n / QK); }
+
+/* GGML blocks (little-endian, packed as in ggml-common.h). */
+typedef struct { uint16_t d; uint8_t qs[16]; } blk_q4_0;                      /* 18 bytes */
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;             /* 22 bytes */
+typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;                       /* 34 bytes */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_k;           /* 144 */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_k;  /* 176 */
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_k;   /* 210 */
+
+/* y = dot(row, x) over n values; xf: floats, xq: the activation record of the same values. */
+typedef float (*ktk_dot_fn)(const uint8_t *row, const float *xf, const ktk_q8 *xq, int64_t n);
+/* C[t*ldc + r] = dot(W[r], X[t]) for r < R, t < NT; W: [R, K] f32, X: NT pointers to K floats. */
+typedef void (*ktk_gemm_fn)(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
+                            float *C, int64_t ldc);
+
+#define KTK_NTYPES 32
+typedef struct {
+    ktk_dot_fn dot[KTK_NTYPES];
+    void (*quant_act)(const float *x, ktk_q8 *q, int64_t n);   /* fills the activation record */
+    ktk_gemm_fn gemm;
+    void (*dequant)(int type, const uint8_t *src, float *dst, int64_t n);   /* one row */
+    void (*to_bf16)(const float *x, uint16_t *y, int64_t n);
+    uint64_t (*stream)(const uint8_t *p, size_t n);   /* read n bytes (n % 256 == 0), return a checksum */
+} ktk_kernels;
+
+extern const ktk_kernels ktk_kernels_scalar;
+extern const ktk_kernels ktk_kernels_avx2;
+extern const ktk_kernels ktk_kernels_avx512;
+const ktk_kernels *ktk_kernels_for(int isa);   /* NULL if not usable here */
+
+/* helpers (scalar) */
+float ktk_f16_to_f32(uint16_t h);
+static inline float ktk_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t ktk_f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+static inline void ktk_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+void ktk_dequant_block(int type, const uint8_t *blk, float *dst);   /* one block */
+void ktk_quant_act_scalar(const float *x, ktk_q8 *q, int64_t n);
+
+/* AMX (amx.c): C[t*ldc + r] = dot(W[r], X[t]) with W given as bf16 [R, K] (row stride ldw
+ * elements; keep ldw*2 off multiples of 4 KiB or the 16 rows of a tile alias in L1; R % 32 == 0),
+ * X packed by ktk_amx_pack_x; returns 0, or -1 when AMX is not usable. */
+int ktk_amx_usable(void);
+int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K);
+void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *packed);
+void ktk_amx_gemm(const uint16_t *W, int64_t ldw, int64_t R, int64_t K, const uint16_t *packed, int64_t nt,
+                  float *C, int64_t ldc);
+
+/* pool (pool.c): a job is `nphase` phases; phase p has `items[p]` work items run by fn. */
+typedef void (*ktk_item_fn)(void *ctx, int phase, int64_t item, int tid);
+int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items);
+int ktk_pool_wait(ktk_pool *p);
+void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes);   /* per-thread scratch, grows */
+
+#endif

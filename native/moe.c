@@ -1,0 +1,319 @@
+/* The fused routed-experts layer.
+ *
+ * One call = one pool job of four phases (items claimed dynamically by the workers):
+ *   P0  quantize each token's activations to Q8 blocks; pack the tokens of every grouped
+ *       expert for AMX (when that path runs)                     items: T + grouped experts
+ *   P1  gate and up projections, h = SiLU(gate) * up, for (expert, 32 rows of I)
+ *                                                                items: active experts * I/32
+ *   P2  quantize h of every (token, expert) pair; pack h of grouped experts for AMX
+ *                                                                items: T*k + grouped experts
+ *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
+ *       output element has one writer (no atomics, fixed summation order)     items: H/32
+ * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
+ * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
+ * tokens' Q8 activations straight on the GGUF blocks. An expert with more (prefill) takes the
+ * grouped path: 32 weight rows are dequantized once into per-thread scratch and multiplied with
+ * all of its tokens by the f32 GEMM micro-kernel, or by AMX-BF16 tiles on the AMX path. */
+#include "ktk_int.h"
+#include <math.h>
+#include <stdlib.h>
+
+#define RC 32
+
+struct ktk_moe {
+    ktk_moe_desc d;
+    ktk_pool *pool;
+    const ktk_kernels *K;
+    int amx, tile_min, busy, prefetch;
+    int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
+    int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
+    const float *x;
+    const float *w;
+    float *out;
+    int64_t *cnt, *off, *act, *tile_list, *pk_off;   /* [E], [E+1], [E], [E], [E] */
+    uint8_t *tile;                                     /* [E] */
+    int64_t *tok;                                      /* [P] token of each pair, grouped by expert */
+    float *wt;                                         /* [P] its routing weight */
+    const float **xptr, **hptr;                        /* [P] */
+    uint8_t *xq, *hq;                                  /* activation records: [T, act(H)], [P, act(I)] */
+    float *h;                                          /* [P, I] */
+    uint16_t *xpk, *hpk;                               /* packed bf16 tokens for AMX */
+    size_t cap_T, cap_P, cap_pk;
+};
+
+static void *grow(void *ptr, size_t *cap, size_t need, size_t elem, int *fail) {
+    (void)cap;
+    if (need == 0) need = 1;
+    void *q = realloc(ptr, need * elem);
+    if (!q) { *fail = 1; return ptr; }
+    return q;
+}
+
+ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
+    int e = KTK_OK;
+    if (!d || d->n_experts <= 0 || d->hidden <= 0 || d->inter <= 0 || d->hidden % 32 || d->inter % 32 ||
+        !d->gate || !d->up || !d->down)
+        e = KTK_EINVAL;
+    else if (ktk_row_bytes(d->gate_type, d->hidden) != d->gate_rb || ktk_row_bytes(d->up_type, d->hidden) != d->up_rb ||
+             ktk_row_bytes(d->down_type, d->inter) != d->down_rb)
+        e = KTK_EINVAL;
+    if (e) { if (err) *err = e; return NULL; }
+    ktk_moe *m = calloc(1, sizeof *m);
+    int64_t E = d->n_experts;
+    if (m) {
+        m->d = *d;
+        if (!m->d.gate_es) m->d.gate_es = d->inter * d->gate_rb;
+        if (!m->d.up_es) m->d.up_es = d->inter * d->up_rb;
+        if (!m->d.down_es) m->d.down_es = d->hidden * d->down_rb;
+        m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
+        m->act = calloc((size_t)E, sizeof(int64_t)); m->tile_list = calloc((size_t)E, sizeof(int64_t));
+        m->pk_off = calloc((size_t)E, sizeof(int64_t)); m->tile = calloc((size_t)E, 1);
+        m->maxk = d->hidden > d->inter ? d->hidden : d->inter;
+        const char *s = getenv("KTINJECT_TILE_MIN");
+        m->tile_min = s ? atoi(s) : 4;
+        s = getenv("KTINJECT_PREFETCH");
+        m->prefetch = s ? atoi(s) : 1;
+        if (m->tile_min < 1) m->tile_min = 1;
+    }
+    if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->pk_off || !m->tile) {
+        ktk_moe_free(m);
+        if (err) *err = KTK_ENOMEM;
+        return NULL;
+    }
+    if (err) *err = KTK_OK;
+    return m;
+}
+
+void ktk_moe_free(ktk_moe *m) {
+    if (!m) return;
+    if (m->busy && m->pool) ktk_pool_wait(m->pool);
+    free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->pk_off); free(m->tile);
+    free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
+    free(m->xpk); free(m->hpk);
+    free(m);
+}
+
+static inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+/* Per-thread scratch: W f32 [RC, maxk], W bf16 [RC, maxk], two C blocks [maxcnt, RC]. */
+typedef struct { float *wf; uint16_t *wb; float *c0, *c1; } scratch_t;
+
+static scratch_t get_scratch(ktk_moe *m, int tid) {
+    size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * (m->maxk + 32) * 2, c = (size_t)(m->maxcnt + 1) * RC * 4;
+    wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
+    uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c);
+    scratch_t r = {0, 0, 0, 0};
+    if (!s) return r;
+    r.wf = (float *)s; r.wb = (uint16_t *)(s + wf); r.c0 = (float *)(s + wf + wb); r.c1 = (float *)(s + wf + wb + c);
+    return r;
+}
+
+static inline void prefetch_row(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+/* C[j*RC + r] = row (r0 + r) of expert matrix . tokens j, on the grouped path. */
+static int grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
+                   const float *const *X, const uint16_t *pk, int64_t nt, float *C) {
+    if (m->amx) {
+        /* bf16 rows in scratch with a padded stride (K + 32): rows 4 KiB apart would alias in L1 */
+        int64_t ldw = K + 32;
+        for (int r = 0; r < RC; r++) {
+            if (type == KTK_BF16) {         /* already bf16: copy only */
+                memcpy(s->wb + r * ldw, rows + r * rb, (size_t)K * 2);
+            } else {                        /* dequantize a row at a time, convert while in L1 */
+                m->K->dequant(type, rows + r * rb, s->wf, K);
+                m->K->to_bf16(s->wf, s->wb + r * ldw, K);
+            }
+        }
+        ktk_amx_gemm(s->wb, ldw, RC, K, pk, nt, C, RC);
+        return 0;
+    }
+    for (int r = 0; r < RC; r++) m->K->dequant(type, rows + r * rb, s->wf + (int64_t)r * K, K);
+    m->K->gemm(s->wf, RC, K, X, nt, C, RC);
+    return 0;
+}
+
+static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
+    const ktk_moe_desc *d = &m->d;
+    int64_t a = item / m->nci, c = item % m->nci, e = m->act[a], n = m->cnt[e], base = m->off[e];
+    int64_t H = d->hidden, I = d->inter, r0 = c * RC;
+    const uint8_t *g = d->gate + e * d->gate_es + r0 * d->gate_rb, *u = d->up + e * d->up_es + r0 * d->up_rb;
+    if (m->tile[e]) {
+        scratch_t s = get_scratch(m, tid);
+        if (!s.wf) return;
+        const uint16_t *pk = m->amx ? m->xpk + m->pk_off[e] * H : NULL;
+        grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, pk, n, s.c0);
+        grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, pk, n, s.c1);
+        for (int64_t j = 0; j < n; j++) {
+            float *hr = m->h + (base + j) * I + r0;
+            for (int r = 0; r < RC; r++) hr[r] = silu(s.c0[j * RC + r]) * s.c1[j * RC + r];
+        }
+        return;
+    }
+    ktk_dot_fn dg = m->K->dot[d->gate_type], du = m->K->dot[d->up_type];
+    size_t ab = ktk_act_bytes(H);
+    for (int r = 0; r < RC; r++, g += d->gate_rb, u += d->up_rb) {
+        if (m->prefetch && r + 1 < RC) { prefetch_row(g + d->gate_rb, d->gate_rb); prefetch_row(u + d->up_rb, d->up_rb); }
+        for (int64_t j = 0; j < n; j++) {
+            int64_t t = m->tok[base + j];
+            const ktk_q8 *xa = (const ktk_q8 *)(m->xq + t * ab);
+            float gv = dg(g, m->x + t * H, xa, H);
+            float uv = du(u, m->x + t * H, xa, H);
+            m->h[(base + j) * I + r0 + r] = silu(gv) * uv;
+        }
+    }
+}
+
+static void phase_down(ktk_moe *m, int64_t c, int tid) {
+    const ktk_moe_desc *d = &m->d;
+    int64_t H = d->hidden, I = d->inter, r0 = c * m->rcd, rc = m->rcd;
+    size_t ab = ktk_act_bytes(I);
+    for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
+    ktk_dot_fn dd = m->K->dot[d->down_type];
+    scratch_t s = {0, 0, 0, 0};
+    for (int64_t a = 0; a < m->nact; a++) {
+        int64_t e = m->act[a], n = m->cnt[e], base = m->off[e];
+        const uint8_t *rows = d->down + e * d->down_es + r0 * d->down_rb;
+        if (m->tile[e]) {
+            if (!s.wf) s = get_scratch(m, tid);
+            if (!s.wf) return;
+            grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base,
+                    m->amx ? m->hpk + m->pk_off[e] * I : NULL, n, s.c0);
+            for (int64_t j = 0; j < n; j++) {
+                float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
+                for (int r = 0; r < RC; r++) o[r] += wv * s.c0[j * RC + r];
+            }
+            continue;
+        }
+        for (int r = 0; r < rc; r++, rows += d->down_rb) {
+            if (m->prefetch && r + 1 < rc) prefetch_row(rows + d->down_rb, d->down_rb);
+            for (int64_t j = 0; j < n; j++) {
+                int64_t pos = base + j;
+                m->out[m->tok[pos] * H + r0 + r] += m->wt[pos] * dd(rows, m->hptr[pos], (const ktk_q8 *)(m->hq + pos * ab), I);
+            }
+        }
+    }
+}
+
+static void moe_item(void *ctx, int phase, int64_t item, int tid) {
+    ktk_moe *m = ctx;
+    const ktk_moe_desc *d = &m->d;
+    int64_t H = d->hidden, I = d->inter;
+    switch (phase) {
+    case 0:
+        if (item < m->T) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
+        { int64_t e = m->tile_list[item - m->T];
+          ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H); }
+        break;
+    case 1: phase_gate_up(m, item, tid); break;
+    case 2:
+        if (item < m->P) { m->K->quant_act(m->h + item * I, (ktk_q8 *)(m->hq + item * ktk_act_bytes(I)), I); break; }
+        { int64_t e = m->tile_list[item - m->P];
+          ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I); }
+        break;
+    default: phase_down(m, item, tid); break;
+    }
+}
+
+int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
+                   const int64_t *ids, const float *w, float *out) {
+    if (!m || !p || T < 0 || k < 1 || (T > 0 && (!x || !ids || !w || !out))) return KTK_EINVAL;
+    if (m->busy) return KTK_EBUSY;
+    const ktk_kernels *K = ktk_kernels_for(isa);
+    if (!K) return KTK_EISA;
+    const ktk_moe_desc *d = &m->d;
+    int64_t E = d->n_experts, H = d->hidden, I = d->inter, P = T * k;
+    if (!K->dot[d->gate_type] || !K->dot[d->up_type] || !K->dot[d->down_type]) return KTK_EINVAL;
+    for (int64_t i = 0; i < P; i++)
+        if (ids[i] < 0 || ids[i] >= E) return KTK_ERANGE;
+    if (T == 0) { m->T = 0; return KTK_OK; }
+    int fail = 0;
+    m->tok = grow(m->tok, &m->cap_P, P, sizeof *m->tok, &fail);
+    m->wt = grow(m->wt, &m->cap_P, P, sizeof *m->wt, &fail);
+    m->xptr = grow(m->xptr, &m->cap_P, P, sizeof *m->xptr, &fail);
+    m->hptr = grow(m->hptr, &m->cap_P, P, sizeof *m->hptr, &fail);
+    m->h = grow(m->h, &m->cap_P, P * I, sizeof *m->h, &fail);
+    m->hq = grow(m->hq, &m->cap_P, P * ktk_act_bytes(I), 1, &fail);
+    m->xq = grow(m->xq, &m->cap_T, T * ktk_act_bytes(H), 1, &fail);
+    if (fail) return KTK_ENOMEM;
+    /* group (token, slot) pairs by expert, stable in token order */
+    memset(m->cnt, 0, (size_t)E * sizeof *m->cnt);
+    for (int64_t i = 0; i < P; i++) m->cnt[ids[i]]++;
+    m->off[0] = 0;
+    for (int64_t e = 0; e < E; e++) m->off[e + 1] = m->off[e] + m->cnt[e];
+    for (int64_t e = 0; e < E; e++) m->pk_off[e] = m->off[e];   /* reused as fill cursor */
+    for (int64_t i = 0; i < P; i++) {
+        int64_t pos = m->pk_off[ids[i]]++;
+        m->tok[pos] = i / k;
+        m->wt[pos] = w[i];
+        m->xptr[pos] = x + (i / k) * H;
+        m->hptr[pos] = m->h + pos * I;
+    }
+    m->amx = isa == KTK_ISA_AMX;
+    m->nact = m->ntile = m->maxcnt = 0;
+    int64_t npad = 0;
+    for (int64_t e = 0; e < E; e++) {
+        m->tile[e] = 0;
+        if (!m->cnt[e]) continue;
+        m->act[m->nact++] = e;
+        if (m->cnt[e] >= m->tile_min) {
+            m->tile[e] = 1;
+            if (m->cnt[e] > m->maxcnt) m->maxcnt = m->cnt[e];
+            m->pk_off[e] = npad;
+            npad += (m->cnt[e] + 15) / 16 * 16;
+            if (m->amx) m->tile_list[m->ntile++] = e;
+        }
+    }
+    if (m->amx && npad) {
+        m->xpk = grow(m->xpk, &m->cap_pk, npad * H, sizeof *m->xpk, &fail);
+        m->hpk = grow(m->hpk, &m->cap_pk, npad * I, sizeof *m->hpk, &fail);
+        if (fail) return KTK_ENOMEM;
+    }
+    m->K = K; m->pool = p; m->T = T; m->k = k; m->P = P; m->x = x; m->w = w; m->out = out;
+    m->rcd = (m->maxcnt > 0 || H % 64) ? RC : RC / 2;   /* decode: finer down items balance better */
+    m->nci = I / RC; m->nch = H / m->rcd;
+    int64_t items[4] = {T + m->ntile, m->nact * m->nci, P + m->ntile, m->nch};
+    int rc = ktk_pool_run_async(p, moe_item, m, 4, items);
+    if (rc == KTK_OK) m->busy = 1;
+    return rc;
+}
+
+int ktk_moe_sync(ktk_moe *m, ktk_pool *p) {
+    if (!m || !p) return KTK_EINVAL;
+    if (!m->busy) return KTK_OK;
+    if (m->pool != p) return KTK_EINVAL;
+    ktk_pool_wait(p);
+    m->busy = 0;
+    return KTK_OK;
+}
+
+int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
+                    const int64_t *ids, const float *w, float *out) {
+    int rc = ktk_moe_submit(m, p, isa, T, k, x, ids, w, out);
+    if (rc) return rc;
+    return ktk_moe_sync(m, p);
+}
+
+int ktk_dequant_row_isa(int isa, int type, const uint8_t *src, float *dst, int64_t n) {
+    const ktk_kernels *K = ktk_kernels_for(isa);
+    if (!K) return KTK_EISA;
+    if (ktk_type_block(type) == 0 || n % ktk_type_block(type)) return KTK_EINVAL;
+    K->dequant(type, src, dst, n);
+    return KTK_OK;
+}
+
+int ktk_gemv(int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
+             const float *x, float *y) {
+    const ktk_kernels *K = ktk_kernels_for(isa);
+    if (!K) return KTK_EISA;
+    if (type < 0 || type >= KTK_NTYPES || !K->dot[type] || ktk_row_bytes(type, n) != row_bytes || rows < 0)
+        return KTK_EINVAL;
+    int64_t nq = n - n % 32;   /* element types may have any n: their dots read x itself */
+    ktk_q8 *xq = malloc(ktk_act_bytes(nq) + 64);
+    if (!xq) return KTK_ENOMEM;
+    K->quant_act(x, xq, nq);
+    for (int64_t r = 0; r < rows; r++) y[r] = K->dot[type](w + r * row_bytes, x, xq, n);
+    free(xq);
+    return KTK_OK;
+}

@@ -1,0 +1,96 @@
+/* AVX2 + FMA + F16C path: integer dots with maddubs, f32 GEMM micro-kernel, streaming read. */
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+#include "ktk_int.h"
+
+#define SFX(name) name##_avx2
+static inline __m256i doti_avx2(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#define DOTI doti_avx2
+#include "quant_simd.inc"
+
+static inline __m256 bf16x8_avx2(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static float dot_bf16_avx2(const uint8_t *row, const float *xf, const ktk_q8 *xq, int64_t n) {
+    (void)xq;
+    const uint16_t *w = (const uint16_t *)row;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(bf16x8_avx2(w + i), _mm256_loadu_ps(xf + i), a0);
+        a1 = _mm256_fmadd_ps(bf16x8_avx2(w + i + 8), _mm256_loadu_ps(xf + i + 8), a1);
+        a2 = _mm256_fmadd_ps(bf16x8_avx2(w + i + 16), _mm256_loadu_ps(xf + i + 16), a2);
+        a3 = _mm256_fmadd_ps(bf16x8_avx2(w + i + 24), _mm256_loadu_ps(xf + i + 24), a3);
+    }
+    float s = hsum8_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s += ktk_bf16_to_f32(w[i]) * xf[i];
+    return s;
+}
+
+/* C[t*ldc + r] = W[r] . X[t]; blocks of 4 tokens x 2 rows (8 accumulators); K % 8 == 0. */
+static void gemm_avx2(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
+                      float *C, int64_t ldc) {
+    int64_t t = 0;
+    for (; t + 4 <= NT; t += 4) {
+        const float *x0 = X[t], *x1 = X[t + 1], *x2 = X[t + 2], *x3 = X[t + 3];
+        int64_t r = 0;
+        for (; r + 2 <= R; r += 2) {
+            const float *w0 = W + r * K, *w1 = w0 + K;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+            for (int64_t k = 0; k < K; k += 8) {
+                __m256 a = _mm256_loadu_ps(w0 + k), b = _mm256_loadu_ps(w1 + k), x;
+                x = _mm256_loadu_ps(x0 + k); c00 = _mm256_fmadd_ps(a, x, c00); c01 = _mm256_fmadd_ps(b, x, c01);
+                x = _mm256_loadu_ps(x1 + k); c10 = _mm256_fmadd_ps(a, x, c10); c11 = _mm256_fmadd_ps(b, x, c11);
+                x = _mm256_loadu_ps(x2 + k); c20 = _mm256_fmadd_ps(a, x, c20); c21 = _mm256_fmadd_ps(b, x, c21);
+                x = _mm256_loadu_ps(x3 + k); c30 = _mm256_fmadd_ps(a, x, c30); c31 = _mm256_fmadd_ps(b, x, c31);
+            }
+            C[t * ldc + r] = hsum8_avx2(c00); C[t * ldc + r + 1] = hsum8_avx2(c01);
+            C[(t + 1) * ldc + r] = hsum8_avx2(c10); C[(t + 1) * ldc + r + 1] = hsum8_avx2(c11);
+            C[(t + 2) * ldc + r] = hsum8_avx2(c20); C[(t + 2) * ldc + r + 1] = hsum8_avx2(c21);
+            C[(t + 3) * ldc + r] = hsum8_avx2(c30); C[(t + 3) * ldc + r + 1] = hsum8_avx2(c31);
+        }
+        for (; r < R; r++)
+            for (int j = 0; j < 4; j++) C[(t + j) * ldc + r] = dot_f32_avx2((const uint8_t *)(W + r * K), X[t + j], 0, K);
+    }
+    for (; t < NT; t++)
+        for (int64_t r = 0; r < R; r++) C[t * ldc + r] = dot_f32_avx2((const uint8_t *)(W + r * K), X[t], 0, K);
+}
+
+static void to_bf16_avx2(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    const __m256i r = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+        u = _mm256_add_epi32(u, _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        u = _mm256_srli_epi32(u, 16);
+        __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+        _mm_storeu_si128((__m128i *)(y + i), p);
+    }
+    for (; i < n; i++) y[i] = ktk_f32_to_bf16(x[i]);
+}
+
+static uint64_t stream_avx2(const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < n; i += 128) {
+        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i *)(p + i)));
+        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i a = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    return (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 3);
+}
+
+const ktk_kernels ktk_kernels_avx2 = {
+    .dot = {[KTK_F32] = dot_f32_avx2, [KTK_F16] = dot_f16_avx2, [KTK_BF16] = dot_bf16_avx2,
+            [KTK_Q4_0] = dot_q4_0_avx2, [KTK_Q5_0] = dot_q5_0_avx2, [KTK_Q8_0] = dot_q8_0_avx2, [KTK_Q4_K] = dot_q4_k_avx2,
+            [KTK_Q5_K] = dot_q5_k_avx2, [KTK_Q6_K] = dot_q6_k_avx2},
+    .quant_act = quant_act_avx2,
+    .gemm = gemm_avx2,
+    .dequant = dequant_avx2,
+    .to_bf16 = to_bf16_avx2,
+    .stream = stream_avx2,
+};

@@ -1,0 +1,104 @@
+/* AVX-512 path (F/BW/VL/DQ + VNNI): integer dots with dpbusd (256-bit through VL: decode is
+ * bound by memory, not by vector width), 512-bit BF16 dots, GEMM micro-kernel and stream read. */
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#include <immintrin.h>
+#include "ktk_int.h"
+
+#define SFX(name) name##_avx512
+#define DOTI(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#include "quant_simd.inc"
+
+static inline __m512 bf16x16_avx512(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static float dot_bf16_avx512(const uint8_t *row, const float *xf, const ktk_q8 *xq, int64_t n) {
+    (void)xq;
+    const uint16_t *w = (const uint16_t *)row;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        a0 = _mm512_fmadd_ps(bf16x16_avx512(w + i), _mm512_loadu_ps(xf + i), a0);
+        a1 = _mm512_fmadd_ps(bf16x16_avx512(w + i + 16), _mm512_loadu_ps(xf + i + 16), a1);
+        a2 = _mm512_fmadd_ps(bf16x16_avx512(w + i + 32), _mm512_loadu_ps(xf + i + 32), a2);
+        a3 = _mm512_fmadd_ps(bf16x16_avx512(w + i + 48), _mm512_loadu_ps(xf + i + 48), a3);
+    }
+    for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(bf16x16_avx512(w + i), _mm512_loadu_ps(xf + i), a0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (; i < n; i++) s += ktk_bf16_to_f32(w[i]) * xf[i];
+    return s;
+}
+
+static float dot_f32_512(const float *w, const float *x, int64_t K) {
+    __m512 a = _mm512_setzero_ps(), b = a;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), b);
+    }
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    for (; k < K; k++) s += w[k] * x[k];
+    return s;
+}
+
+/* C[t*ldc + r] = W[r] . X[t]; blocks of 4 tokens x 3 rows (12 accumulators); K % 16 == 0. */
+static void gemm_avx512(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
+                        float *C, int64_t ldc) {
+    int64_t t = 0;
+    for (; t + 4 <= NT; t += 4) {
+        const float *x0 = X[t], *x1 = X[t + 1], *x2 = X[t + 2], *x3 = X[t + 3];
+        int64_t r = 0;
+        for (; r + 3 <= R; r += 3) {
+            const float *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K;
+            __m512 c[12];
+            for (int j = 0; j < 12; j++) c[j] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                __m512 a = _mm512_loadu_ps(w0 + k), b = _mm512_loadu_ps(w1 + k), e = _mm512_loadu_ps(w2 + k), x;
+                x = _mm512_loadu_ps(x0 + k); c[0] = _mm512_fmadd_ps(a, x, c[0]); c[1] = _mm512_fmadd_ps(b, x, c[1]); c[2] = _mm512_fmadd_ps(e, x, c[2]);
+                x = _mm512_loadu_ps(x1 + k); c[3] = _mm512_fmadd_ps(a, x, c[3]); c[4] = _mm512_fmadd_ps(b, x, c[4]); c[5] = _mm512_fmadd_ps(e, x, c[5]);
+                x = _mm512_loadu_ps(x2 + k); c[6] = _mm512_fmadd_ps(a, x, c[6]); c[7] = _mm512_fmadd_ps(b, x, c[7]); c[8] = _mm512_fmadd_ps(e, x, c[8]);
+                x = _mm512_loadu_ps(x3 + k); c[9] = _mm512_fmadd_ps(a, x, c[9]); c[10] = _mm512_fmadd_ps(b, x, c[10]); c[11] = _mm512_fmadd_ps(e, x, c[11]);
+            }
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < 3; i++) C[(t + j) * ldc + r + i] = _mm512_reduce_add_ps(c[3 * j + i]);
+        }
+        for (; r < R; r++)
+            for (int j = 0; j < 4; j++) C[(t + j) * ldc + r] = dot_f32_512(W + r * K, X[t + j], K);
+    }
+    for (; t < NT; t++)
+        for (int64_t r = 0; r < R; r++) C[t * ldc + r] = dot_f32_512(W + r * K, X[t], K);
+}
+
+static void to_bf16_avx512(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    const __m512i r = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    for (; i + 16 <= n; i += 16) {
+        __m512i u = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(r, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+    for (; i < n; i++) y[i] = ktk_f32_to_bf16(x[i]);
+}
+
+static uint64_t stream_avx512(const uint8_t *p, size_t n) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < n; i += 256) {
+        a0 = _mm512_xor_si512(a0, _mm512_load_si512((const void *)(p + i)));
+        a1 = _mm512_xor_si512(a1, _mm512_load_si512((const void *)(p + i + 64)));
+        a2 = _mm512_xor_si512(a2, _mm512_load_si512((const void *)(p + i + 128)));
+        a3 = _mm512_xor_si512(a3, _mm512_load_si512((const void *)(p + i + 192)));
+    }
+    __m512i a = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+    return (uint64_t)_mm512_reduce_add_epi64(a);
+}
+
+const ktk_kernels ktk_kernels_avx512 = {
+    .dot = {[KTK_F32] = dot_f32_avx512, [KTK_F16] = dot_f16_avx512, [KTK_BF16] = dot_bf16_avx512,
+            [KTK_Q4_0] = dot_q4_0_avx512, [KTK_Q5_0] = dot_q5_0_avx512, [KTK_Q8_0] = dot_q8_0_avx512, [KTK_Q4_K] = dot_q4_k_avx512,
+            [KTK_Q5_K] = dot_q5_k_avx512, [KTK_Q6_K] = dot_q6_k_avx512},
+    .quant_act = quant_act_avx512,
+    .gemm = gemm_avx512,
+    .dequant = dequant_avx512,
+    .to_bf16 = to_bf16_avx512,
+    .stream = stream_avx512,
+};

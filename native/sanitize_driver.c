@@ -1,0 +1,97 @@
+/* Self-check driver for AddressSanitizer / UBSan builds (tests/test_native_sanitize.py) and for
+ * quick checks on a new machine: random valid blocks of every type, every usable ISA path,
+ * GEMV and the fused MoE layer at batch 1 and 48 (row-dot and grouped paths), compared with
+ * the scalar path; bad arguments must be refused. Exit status 0 = all good. */
+#include "ktk.h"
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint32_t rng = 12345;
+static uint32_t rnd(void) { rng ^= rng << 13; rng ^= rng >> 17; rng ^= rng << 5; return rng; }
+static float frand(void) { return (float)(rnd() % 20001) / 10000.f - 1.f; }
+
+static uint16_t f16(float f) {            /* small positive normal floats only */
+    int e = 0; float m = frexpf(f, &e);    /* f = m * 2^e, m in [0.5, 1) */
+    return (uint16_t)(((e - 1 + 15) << 10) | ((int)((m * 2.f - 1.f) * 1024.f) & 0x3ff));
+}
+
+static void fill(int type, uint8_t *p, int64_t rows, int64_t n) {
+    int64_t rb = ktk_row_bytes(type, n);
+    int bs = ktk_type_block(type), ts = ktk_type_size(type);
+    for (int64_t i = 0; i < rows * rb; i++) p[i] = (uint8_t)rnd();
+    if (type == KTK_F32) {
+        for (int64_t i = 0; i < rows * n; i++) { float f = frand() * 0.05f; memcpy(p + 4 * i, &f, 4); }
+        return;
+    }
+    if (type == KTK_F16) {
+        for (int64_t i = 0; i < rows * n; i++) { uint16_t h = f16(0.001f + 0.05f * (float)(rnd() % 1000) / 1000.f); if (rnd() & 1) h |= 0x8000; memcpy(p + 2 * i, &h, 2); }
+        return;
+    }
+    if (type == KTK_BF16) {
+        for (int64_t i = 0; i < rows * n; i++) { float f = frand() * 0.05f; uint32_t u; memcpy(&u, &f, 4); uint16_t h = (uint16_t)(u >> 16); memcpy(p + 2 * i, &h, 2); }
+        return;
+    }
+    for (int64_t b = 0; b < rows * (n / bs); b++) {
+        uint8_t *blk = p + b * ts;
+        uint16_t d = f16(0.002f + 0.01f * (float)(rnd() % 1000) / 1000.f);
+        if (type == KTK_Q6_K) memcpy(blk + ts - 2, &d, 2);
+        else { memcpy(blk, &d, 2); if (type == KTK_Q4_K || type == KTK_Q5_K) memcpy(blk + 2, &d, 2); }
+    }
+}
+
+static double rel(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) { num += (a[i] - b[i]) * (double)(a[i] - b[i]); den += (double)b[i] * b[i]; }
+    return sqrt(num / (den > 0 ? den : 1e-30));
+}
+
+int main(void) {
+    static const int types[] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K, KTK_BF16, KTK_F16, KTK_F32};
+    const int64_t E = 4, H = 256, I = 512, k = 2;
+    int feats = ktk_cpu_features(), fails = 0;
+    ktk_pool *pool = ktk_pool_new(3, 1);
+    if (!pool) { fprintf(stderr, "pool\n"); return 2; }
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
+        int t = types[ti];
+        int64_t rbh = ktk_row_bytes(t, H), rbi = ktk_row_bytes(t, I);
+        uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));
+        fill(t, g, E * I, H); fill(t, u, E * I, H); fill(t, dn, E * H, I);
+        float x[48 * 256], ref[48 * 256], out[48 * 256], y0[512], y1[512];
+        for (int i = 0; i < 48 * 256; i++) x[i] = frand();
+        int64_t ids[48 * 2]; float w[48 * 2];
+        for (int i = 0; i < 48; i++) { ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E; w[2 * i] = frand(); w[2 * i + 1] = frand(); }
+        ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
+        int err = 0;
+        ktk_moe *m = ktk_moe_new(&d, &err);
+        if (!m) { fprintf(stderr, "type %d: moe_new %d\n", t, err); fails++; continue; }
+        ktk_gemv(KTK_ISA_SCALAR, t, g, rbh, I, H, x, y0);
+        for (int T = 1; T <= 48; T += 47) {
+            if (ktk_moe_forward(m, pool, KTK_ISA_SCALAR, T, k, x, ids, w, ref)) { fails++; continue; }
+            for (int isa = 1; isa <= KTK_ISA_AMX; isa++) {
+                if (!(feats >> isa & 1)) continue;
+                ktk_gemv(isa, t, g, rbh, I, H, x, y1);
+                double eg = rel(y1, y0, I);
+                int rc = ktk_moe_forward(m, pool, isa, T, k, x, ids, w, out);
+                double em = rel(out, ref, T * H);
+                printf("type %2d isa %d T %2d gemv %.4f moe %.4f\n", t, isa, T, eg, em);
+                if (rc || !(eg <= 0.05) || !(em <= 0.2)) { fprintf(stderr, "MISMATCH type %d isa %d T %d\n", t, isa, T); fails++; }
+            }
+        }
+        ids[3] = E;                                       /* out of range: refused */
+        if (ktk_moe_forward(m, pool, KTK_ISA_SCALAR, 48, k, x, ids, w, out) != KTK_ERANGE) { fprintf(stderr, "ERANGE not reported\n"); fails++; }
+        ids[3] = -1;
+        if (ktk_moe_forward(m, pool, KTK_ISA_SCALAR, 48, k, x, ids, w, out) != KTK_ERANGE) { fprintf(stderr, "ERANGE (neg) not reported\n"); fails++; }
+        ktk_moe_free(m);
+        d.gate_rb += 1;                                   /* wrong row bytes: refused */
+        if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "bad row bytes accepted\n"); fails++; }
+        free(g); free(u); free(dn);
+    }
+    if (ktk_row_bytes(KTK_Q4_K, 100) != -1 || ktk_gemv(KTK_ISA_SCALAR, 99, NULL, 0, 0, 32, NULL, NULL) != KTK_EINVAL) fails++;
+    double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
+    if (bw <= 0) fails++;
+    ktk_pool_free(pool);
+    printf("%s (%d failures)\n", fails ? "FAIL" : "OK", fails);
+    return fails ? 1 : 0;
+}

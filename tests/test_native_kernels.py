@@ -1,0 +1,183 @@
+"""Native kernels against the torch reference on `gguf.quants.dequantize`d weights, for every
+quant type and every ISA path this CPU can run (scalar and avx2 here; avx512 and amx on the
+lent Xeon via native/device_check.sh).
+
+Tolerances (relative L2 error, ||y - ref|| / ||ref||):
+* dequantization: exact (max abs diff <= 1e-6 of the row's scale);
+* f32 activations (scalar path, BF16 weights, the grouped f32 GEMM path): 1e-4;
+* int8 activations quantized on the fly (Q8_0 / Q8_K blocks, AVX2/AVX-512 decode): 3e-2 for a
+  single GEMV and 4e-2 for the whole FFN (two quantized activations in a row; measured 1-2%).
+  FFN errors are per token against the size of the summed expert terms (see `ref_moe`), since
+  two experts' outputs may cancel.
+Weights are Gaussian values through the real quantizers (gguf-py, ktinject.weights.kquant).
+* AMX grouped path (BF16 tiles: weights and activations rounded to bf16): 2e-2.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ktinject import native
+from ktinject.errors import NativeError
+
+from test_native_util import QUANTS, dequant, rand_rows, ref_moe, rel_err
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
+ISAS = native.usable_isas() if native.available() else []
+
+
+def _gemv_tol(isa: str, qt: QT) -> float:
+    return 1e-4 if isa == "scalar" or qt == QT.BF16 else 3e-2
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", QUANTS, ids=lambda q: q.name)
+def test_dequant_row_exact(isa, qt):
+    rows = rand_rows(qt, 3, 512, seed=11)
+    ref = dequant(qt, rows, 512)
+    for r in range(3):
+        got = native.dequant_row(int(qt), rows[r].contiguous(), 512, isa)
+        assert torch.allclose(got, ref[r], rtol=0, atol=1e-6 * float(ref[r].abs().max())), (isa, qt.name, r)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", QUANTS, ids=lambda q: q.name)
+def test_gemv(isa, qt):
+    n = 1024
+    w = rand_rows(qt, 24, n, seed=5)
+    x = torch.randn(n)
+    ref = dequant(qt, w, n).double() @ x.double()
+    y = native.gemv(int(qt), w, n, x, isa)
+    assert rel_err(y, ref.float()) < _gemv_tol(isa, qt), (isa, qt.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_case(qt, dqt, E=8, H=256, I=512, seed=0):
+    g, u, d = rand_rows(qt, E * I, H, seed + 1), rand_rows(qt, E * I, H, seed + 2), rand_rows(dqt, E * H, I, seed + 3)
+    mats = (native.ExpertMatrix(int(qt), g, E, I, H, "gate"), native.ExpertMatrix(int(qt), u, E, I, H, "up"),
+            native.ExpertMatrix(int(dqt), d, E, H, I, "down"))
+    dense = (dequant(qt, g, H).reshape(E, I, H), dequant(qt, u, H).reshape(E, I, H), dequant(dqt, d, I).reshape(E, H, I))
+    return mats, dense
+
+
+def _routing(T, E, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices.contiguous()
+    return ids, torch.rand(T, k, generator=gen)
+
+
+def _moe_tol(isa: str, qt: QT, grouped: bool) -> float:
+    if isa == "scalar" or (qt == QT.BF16 and not grouped):
+        return 1e-4
+    if grouped:
+        return 2e-2 if isa == "amx" else 1e-4
+    return 4e-2
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("T,grouped", [(1, False), (80, True), (72, False)], ids=["decode", "batch80-grouped",
+                                                                                 "batch72-rowdot"])
+def test_moe_kernel(isa, qt, T, grouped, monkeypatch):
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4" if grouped else "100000")
+    (gate, up, down), (G, U, D) = _moe_case(qt, qt)
+    kern = native.MoEKernel(gate, up, down, threads=2, isa=isa)
+    x = torch.randn(T, 256)
+    ids, w = _routing(T, 8, 2, seed=T)
+    out = kern(x, ids, w)
+    assert out.shape == (T, 256) and torch.isfinite(out).all()
+    assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, grouped), (isa, qt.name, T)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_moe_mixed_types_and_fused_rows(isa):
+    """V2-Lite style: Q4_K gate/up in one fused [E, 2I, H] tensor (strided views), Q5_0 down."""
+    E, H, I = 4, 256, 512
+    gu = rand_rows(QT.Q4_K, E * 2 * I, H, seed=21)                 # [E*2I, rb]: expert e = gate rows, up rows
+    d = rand_rows(QT.Q5_0, E * H, I, seed=22)
+    gate = native.ExpertMatrix(int(QT.Q4_K), gu, E, I, H, "gate", stride=2 * I, offset=0)
+    up = native.ExpertMatrix(int(QT.Q4_K), gu, E, I, H, "up", stride=2 * I, offset=I)
+    down = native.ExpertMatrix(int(QT.Q5_0), d, E, H, I, "down")
+    dense_gu = dequant(QT.Q4_K, gu, H).reshape(E, 2 * I, H)
+    G, U, D = dense_gu[:, :I], dense_gu[:, I:], dequant(QT.Q5_0, d, I).reshape(E, H, I)
+    kern = native.MoEKernel(gate, up, down, threads=2, isa=isa)
+    for T in (1, 64):
+        x = torch.randn(T, H)
+        ids, w = _routing(T, E, 2, seed=T)
+        tol = 1e-4 if isa == "scalar" else (2e-2 if isa == "amx" and T > 1 else 4e-2)
+        assert rel_err(kern(x, ids, w), ref_moe(x, ids, w, G, U, D)) < tol
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_thread_counts_agree(threads):
+    """Results do not depend on the thread count, even oversubscribed (fixed summation order)."""
+    (gate, up, down), _ = _moe_case(QT.Q8_0, QT.Q8_0, seed=3)
+    x = torch.randn(33, 256)
+    ids, w = _routing(33, 8, 2, seed=1)
+    base = native.MoEKernel(gate, up, down, threads=2)(x, ids, w)
+    got = native.MoEKernel(gate, up, down, threads=threads)(x, ids, w)
+    assert torch.equal(base, got)
+
+
+def test_submit_sync_matches_forward():
+    (gate, up, down), _ = _moe_case(QT.Q4_0, QT.Q4_0, seed=4)
+    kern = native.MoEKernel(gate, up, down, threads=2)
+    x = torch.randn(5, 256)
+    ids, w = _routing(5, 8, 2)
+    want = kern(x, ids, w)
+    kern.submit(x, ids, w)
+    with pytest.raises(NativeError, match="twice"):
+        kern.submit(x, ids, w)
+    assert torch.equal(kern.sync(), want)
+    with pytest.raises(NativeError, match="without a submit"):
+        kern.sync()
+
+
+def test_layers_share_one_pool():
+    pool = native.Pool(2)
+    (g1, u1, d1), dense1 = _moe_case(QT.Q8_0, QT.Q8_0, seed=7)
+    (g2, u2, d2), dense2 = _moe_case(QT.BF16, QT.BF16, seed=8)
+    k1 = native.MoEKernel(g1, u1, d1, pool=pool)
+    k2 = native.MoEKernel(g2, u2, d2, pool=pool)
+    x = torch.randn(3, 256)
+    ids, w = _routing(3, 8, 2)
+    for _ in range(3):
+        y1, y2 = k1(x, ids, w), k2(x, ids, w)
+    assert rel_err(y2, ref_moe(x, ids, w, *dense2)) < 1e-4
+    assert rel_err(y1, ref_moe(x, ids, w, *dense1)) < 4e-2
+
+
+def test_empty_batch():
+    (gate, up, down), _ = _moe_case(QT.Q8_0, QT.Q8_0)
+    kern = native.MoEKernel(gate, up, down, threads=2)
+    out = kern(torch.zeros(0, 256), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
+    assert out.shape == (0, 256)
+
+
+def test_describe_and_isa_selection(monkeypatch):
+    d = native.describe()
+    assert d["available"] and "scalar" in d["compiled"] and "amx" in d["compiled"]
+    assert d["isa"] in d["usable"] and d["threads"] >= 1
+    monkeypatch.setenv("KTINJECT_ISA", "scalar")
+    assert native.isa() == "scalar"
+    monkeypatch.setenv("KTINJECT_ISA", "sse9")
+    with pytest.raises(NativeError, match="not an ISA path"):
+        native.isa()
+    missing = [i for i in native.ISAS if i not in native.usable_isas()]
+    if missing:
+        monkeypatch.setenv("KTINJECT_ISA", missing[0])
+        with pytest.raises(NativeError, match="not usable"):
+            native.isa()
+
+
+def test_bandwidth_probe_runs():
+    gbps = native.probe_read_gbps(native.Pool(2), 64 << 20, reps=2)
+    assert 0.1 < gbps < 10000

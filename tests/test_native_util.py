@@ -1,0 +1,61 @@
+"""Shared helpers of the native tests (imported by test_native_*.py) plus their own checks."""
+from __future__ import annotations
+
+import gguf
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ktinject import native
+from ktinject.native.synth import SUPPORTED as QUANTS, random_rows
+
+native.ensure_built()       # a fresh checkout: build the extension in place rather than skip
+
+
+def rand_rows(qt: QT, rows: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Model-like blocks: Gaussian weights through the real quantizers."""
+    return random_rows(qt, rows, n, seed=seed, realistic=True)
+
+
+def dequant(qt: QT, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference: gguf-py's numpy dequantization (BF16: torch's own conversion)."""
+    if qt == QT.BF16:
+        return rows.view(torch.bfloat16).float().reshape(-1, n)
+    return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), qt)).float().reshape(-1, n)
+
+
+def ref_moe(x, ids, w, gate, up, down):
+    """x: [T, H]; gate/up: [E, I, H]; down: [E, H, I] (float). Returns [T, H], summed in float64,
+    with `.scale` [T] attached: errors are judged against the terms' size, since two experts'
+    outputs can cancel and make a plain relative error meaningless."""
+    T, k = ids.shape
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    scale = torch.zeros(T, dtype=torch.float64)
+    xd = x.double()
+    for e in torch.unique(ids).tolist():
+        t, j = torch.nonzero(ids == e, as_tuple=True)                   # tokens routed to e, their slot
+        xe = xd[t]                                                      # [n, H]
+        h = torch.nn.functional.silu(xe @ gate[e].double().T) * (xe @ up[e].double().T)   # [n, I]
+        y = (h @ down[e].double().T) * w[t, j].double()[:, None]        # [n, H]
+        out.index_add_(0, t, y)
+        scale.index_add_(0, t, y.norm(dim=1))
+    res = out.float()
+    res.scale = scale
+    return res
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (the inverse of an SQNR); for a `ref_moe` result, per token against
+    the size of the summed terms, worst token."""
+    scale = getattr(b, "scale", None)
+    if scale is not None and b.dim() == 2 and b.shape[0]:
+        err = (a.double() - b.double()).norm(dim=1) / scale.clamp_min(1e-30)
+        return float(err.max())
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_random_rows_are_valid_blocks():
+    for qt in QUANTS:
+        rows = random_rows(qt, 4, 256, seed=3)
+        ref = dequant(qt, rows, 256)
+        assert torch.isfinite(ref).all(), qt.name
+        assert ref.abs().max() > 0, qt.name
