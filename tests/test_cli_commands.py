@@ -31,14 +31,14 @@ def test_validate_packs_and_errors(capsys, tmp_path):
 def test_explain_table_and_json(capsys, tiny_dir, tmp_path):
     assert main(["explain", str(tiny_dir), "--rules", "qwen3-moe"]) == 0
     out = capsys.readouterr().out
-    assert "experts" in out and "bytes per device" in out and "cuda" in out and "cpu" in out
+    assert "moe" in out and "bytes per device" in out and "cuda" in out and "cpu" in out
     extra = tmp_path / "extra.yaml"
     extra.write_text("version: 1\ninclude: [qwen3-moe-cpu]\nrules:\n  - match: {name: 'nope'}\n    replace: {op: keep}\n")
     assert main(["explain", str(tiny_dir), "--rules", str(extra), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["totals"]) == {"cpu"} and len(data["unmatched_rules"]) == 1
     assert "extra.yaml:4" in data["unmatched_rules"][0]
-    assert any(m["op"] == "experts" for m in data["modules"])
+    assert any(m["op"] == "cpu_experts" for m in data["modules"])
 
 
 def test_explain_without_rules_picks_family_pack(capsys, tiny_dir):

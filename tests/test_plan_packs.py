@@ -27,7 +27,9 @@ def test_hybrid_pack_layout(family):
     by = p.by_name()
     assert by["model.embed_tokens"].device == "cpu" and by["model.embed_tokens"].rule
     moe_layers = [e for e in p.entries if e.name.endswith("mlp.experts")]
-    assert moe_layers and all(e.op == "experts" and e.device == "cpu" and not e.recursive for e in moe_layers)
+    assert moe_layers and all(e.op == "cpu_experts" and e.device == "cpu" and not e.recursive for e in moe_layers)
+    blocks = [by[e.name.rsplit(".", 1)[0]] for e in moe_layers]
+    assert all(b.op == "moe" and b.device == "cuda" and b.recursive for b in blocks)
     # nothing inside a recursive: false subtree is planned separately
     assert not any(".mlp.experts." in e.name for e in p.entries)
     assert all(e.device == "cuda" for e in p.entries if ".self_attn" in e.name)
@@ -39,16 +41,19 @@ def test_hybrid_pack_layout(family):
     if family.startswith("deepseek"):
         assert by["model.layers.0.mlp"].device == "cuda" and by["model.layers.0.mlp"].rule   # dense layer
     assert p.unmatched_rules == ()
-    # routed experts dominate the CPU total: all expert bytes are there
+    # routed experts dominate the CPU total: all expert bytes are there, stored as bf16 by
+    # cpu_experts (the float32 checkpoint is converted at load); the moe blocks count none of them
+    assert all(b.bytes.get("cpu", 0) == 0 for b in blocks)
     expert_bytes = sum(e.bytes["cpu"] for e in moe_layers)
     e_count = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None) or \
         config.num_local_experts
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     n_moe = len(moe_layers)
-    assert expert_bytes == n_moe * e_count * 3 * inter * config.hidden_size * 4
+    routed = n_moe * e_count * 3 * inter * config.hidden_size
+    assert expert_bytes == routed * 2
     assert p.totals["cpu"] == expert_bytes + config.vocab_size * config.hidden_size * 4
     total_params = sum(t.numel() for t in _reference_tensors(family))
-    assert sum(p.totals.values()) == total_params * 4
+    assert sum(p.totals.values()) == (total_params - routed) * 4 + routed * 2
 
 
 def _reference_tensors(family):
@@ -179,7 +184,7 @@ def test_plan_is_json_and_pure(tmp_path):
     data = json.loads(a.to_json())
     assert data["totals"] == dict(a.totals) and data["unmatched_rules"] == []
     mod = {m["name"]: m for m in data["modules"]}
-    assert mod["model.layers.1.mlp.experts"]["op"] == "experts" and mod["model.layers.1.mlp.experts"]["rule"]
+    assert mod["model.layers.1.mlp.experts"]["op"] == "cpu_experts" and mod["model.layers.1.mlp.experts"]["rule"]
 
 
 def test_plan_accepts_a_skeleton():

@@ -174,8 +174,8 @@ class _Walker:
                 return rule
         return None
 
-    def walk(self, module: nn.Module, name: str, pre_dev: str, gen_dev: str, dtype: str) -> int:
-        """Plan `module` and its subtree; returns the bytes its subtree counts (for parent ops)."""
+    def walk(self, module: nn.Module, name: str, pre_dev: str, gen_dev: str, dtype: str) -> dict[str, int]:
+        """Plan `module` and its subtree; returns the bytes its subtree counts per device (for parent ops)."""
         rule = self.first_rule(name, module)
         index = len(self.entries)
         self.entries.append(None)  # placeholder: children come after their parent
@@ -188,22 +188,27 @@ class _Walker:
         else:
             entry = self.matched_entry(rule, module, name, pre_dev, gen_dev, dtype)
             recurse = entry.recursive
-        child_bytes = 0
+        child_bytes: dict[str, int] = {}
         if recurse:
             for child_name, child in module.named_children():
                 full = f"{name}.{child_name}" if name else child_name
-                child_bytes += self.walk(child, full, entry.prefill_device, entry.device, entry.dtype)
+                for dev, n in self.walk(child, full, entry.prefill_device, entry.device, entry.dtype).items():
+                    child_bytes[dev] = child_bytes.get(dev, 0) + n
         if rule is not None and entry.recursive and (entry.op != registry.KEEP or entry.prefill_op != registry.KEEP):
-            # the op counted its whole subtree; its planned descendants count their own share
+            # the op counted its whole subtree; its planned descendants count their own share, device by device
             b = dict(entry.bytes)
-            dev = entry.device if entry.device in b else next(iter(b), entry.device)
-            b[dev] = max(0, b.get(dev, 0) - child_bytes)
+            for dev, n in child_bytes.items():
+                if dev in b:
+                    b[dev] = max(0, b[dev] - n)
             entry = PlanEntry(**{**entry.__dict__, "bytes": b})
         holds = next(module.parameters(), None) is not None
         if holds != entry.holds_params:
             entry = PlanEntry(**{**entry.__dict__, "holds_params": holds})
         self.entries[index] = entry
-        return sum(entry.bytes.values()) + child_bytes
+        total = dict(child_bytes)
+        for dev, n in entry.bytes.items():
+            total[dev] = total.get(dev, 0) + n
+        return total
 
     def matched_entry(self, rule: Rule, module: nn.Module, name: str, pre_dev: str, gen_dev: str,
                       dtype: str) -> PlanEntry:
