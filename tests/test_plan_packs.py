@@ -51,9 +51,11 @@ def test_hybrid_pack_layout(family):
     n_moe = len(moe_layers)
     routed = n_moe * e_count * 3 * inter * config.hidden_size
     assert expert_bytes == routed * 2
-    assert p.totals["cpu"] == expert_bytes + config.vocab_size * config.hidden_size * 4
+    # the hybrid packs store everything else in bfloat16 (defaults.dtype)
+    assert p.default_dtype == "bfloat16"
+    assert p.totals["cpu"] == expert_bytes + config.vocab_size * config.hidden_size * 2
     total_params = sum(t.numel() for t in _reference_tensors(family))
-    assert sum(p.totals.values()) == (total_params - routed) * 4 + routed * 2
+    assert sum(p.totals.values()) == total_params * 2
 
 
 def _reference_tensors(family):
@@ -67,7 +69,8 @@ def test_cpu_overlay_moves_everything_to_cpu(family):
     p = plan(tiny_config(family), PACK[family] + "-cpu")
     assert set(p.totals) == {"cpu"}
     assert {e.device for e in p.entries} == {"cpu"}
-    hybrid = plan(tiny_config(family), PACK[family])
+    assert p.default_dtype == "float32"                  # the CPU overlays keep float32
+    hybrid = plan(tiny_config(family), PACK[family], dtype=torch.float32)
     assert sum(p.totals.values()) == sum(hybrid.totals.values())
     assert [e.rule for e in p.matched] == [e.rule for e in hybrid.matched]   # same rules, same lines
 

@@ -1,6 +1,7 @@
 """`ktinject bench experts ...`: native routed-experts layer throughput against the machine's
-measured memory read bandwidth. The first positional argument selects the target: `experts`
-(this benchmark); anything else is reserved for a model-level `ktinject bench MODEL` later.
+measured memory read bandwidth. `ktinject bench MODEL --rules R`: end-to-end prefill and decode
+against the decode roofline (see ktinject/bench_model.py). The first positional argument selects
+the target: `experts`, or a model path.
 
 The weight set spans several GiB (layers are cycled) so that decode numbers measure memory,
 not the last-level cache; the denominator is a native streaming-read probe run in the same
@@ -16,7 +17,7 @@ import time
 from ..errors import KtInjectError, NativeError
 
 NAME = "bench"
-HELP = "benchmark the native CPU experts (`bench experts`); model-level benchmarks later"
+HELP = "benchmark the native CPU experts (`bench experts`) or a whole model (`bench MODEL --rules R`)"
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
@@ -31,7 +32,13 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("target", help="'experts' (routed-experts layer); a model path is reserved for later")
+    p.add_argument("target", help="'experts' (routed-experts layer) or a model path (GGUF file or directory)")
+    m = p.add_argument_group("model")
+    m.add_argument("--rules", action="append", help="rule file or shipped pack (default: the family's pack)")
+    m.add_argument("--prompt-lengths", default="512,2048,8192", help="prefill prompt lengths (comma-separated)")
+    m.add_argument("--decode-tokens", type=int, default=64, help="tokens to decode (default 64)")
+    m.add_argument("--no-warm", action="store_true", help="do not fault in memory-mapped expert weights first")
+    m.add_argument("--config-dir", default=None, help="HF config directory overriding the model's own")
     g = p.add_argument_group("experts")
     g.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: DeepSeek-V2-Lite 2048)")
     g.add_argument("--inter", type=int, default=1408, help="expert intermediate size I (default 1408)")
@@ -50,8 +57,42 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     fn = TARGETS.get(args.target)
     if fn is None:
-        raise KtInjectError(f"bench target {args.target!r} is not available yet (allowed: {', '.join(TARGETS)})")
+        from pathlib import Path
+        if not Path(args.target).exists():
+            raise KtInjectError(f"bench target {args.target!r} is neither {', '.join(TARGETS)} nor an existing "
+                                f"model path")
+        fn = bench_model
     return fn(args)
+
+
+def bench_model(args) -> int:
+    from ..bench_model import run_bench
+    from . import console, err_console
+    from ._common import pick_rules
+    rules = pick_rules(args.rules, args.target, err_console, args.config_dir)
+    res = run_bench(args.target, rules, prompt_lengths=_ints(args.prompt_lengths),
+                    decode_tokens=args.decode_tokens, warm=not args.no_warm,
+                    progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
+    if args.json:
+        sys.stdout.write(json.dumps(res.to_dict()) + "\n")
+        return 0
+    from rich.table import Table
+    t = Table(title=f"{args.target} with {res.rules}")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for n, tps in res.prefill.items():
+        t.add_row(f"prefill {n} tokens", f"{tps:.0f} tok/s")
+    t.add_row(f"decode ({res.decode_mode})", f"{res.decode_tokens_per_s:.1f} tok/s")
+    t.add_row("CPU expert bytes / token", f"{res.cpu_expert_bytes_per_token / 1e6:.1f} MB")
+    t.add_row("CPU other bytes / token", f"{res.cpu_dense_bytes_per_token / 1e6:.1f} MB")
+    t.add_row(f"CPU read bandwidth ({res.threads} threads)", f"{res.cpu_bandwidth_gbps:.1f} GB/s")
+    t.add_row("GPU bytes / token", f"{res.gpu_bytes_per_token / 1e6:.1f} MB")
+    t.add_row("GPU copy bandwidth", f"{res.gpu_bandwidth_gbps:.0f} GB/s")
+    t.add_row("decode roofline", f"{res.roofline_tokens_per_s:.1f} tok/s")
+    t.add_row("fraction of roofline", f"{res.fraction:.2f}")
+    console.print(t)
+    console.print(f"[dim]{'; '.join(res.notes)}[/]")
+    return 0
 
 
 def _make_layers(qt, dqt, E: int, H: int, I: int, gib: float):

@@ -1,0 +1,162 @@
+"""`ktinject bench MODEL --rules R`: end-to-end prefill and decode speed against this machine's
+decode roofline for this model.
+
+Decode roofline, per token: every routed expert a token picks is read from RAM once
+(`top_k` experts per MoE layer, bytes as stored: GGUF blocks or converted), with any other
+weights kept on the CPU (the embedding aside: one row), over the CPU read bandwidth the native
+probe measures in the same run with the experts' thread pool; plus every
+byte the GPU holds for the layers (attention, shared experts, dense layers, norms, routers,
+`lm_head`) read once, over the GPU's measured copy bandwidth. The two parts add up: the MoE
+block waits for the CPU. KV-cache reads are left out (small next to the weights at these
+prompt lengths), so the roofline is optimistic and the fraction honest.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import KtInjectError
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+@dataclass
+class ModelBench:
+    model: str
+    rules: str
+    prefill: dict = field(default_factory=dict)       # prompt tokens -> tokens/s
+    decode_tokens_per_s: float = 0.0
+    decode_mode: str = ""
+    cpu_expert_bytes_per_token: int = 0
+    cpu_dense_bytes_per_token: int = 0
+    gpu_bytes_per_token: int = 0
+    cpu_bandwidth_gbps: float = 0.0
+    gpu_bandwidth_gbps: float = 0.0
+    roofline_tokens_per_s: float = 0.0
+    fraction: float = 0.0
+    threads: int = 0
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _expert_modules(model):
+    return [m for m in model.modules() if getattr(m, "kernel", None) is not None
+            and hasattr(m.kernel, "weight_bytes_per_expert")]
+
+
+def cpu_expert_bytes_per_token(model) -> tuple[int, int]:
+    """(bytes of routed-expert weights one decode token reads on the CPU, pool threads)."""
+    k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+    mods = _expert_modules(model)
+    threads = mods[0].kernel.pool.threads if mods else 0
+    return sum(k * int(m.kernel.weight_bytes_per_expert) for m in mods), threads
+
+
+def dense_bytes_per_token(model, device_type: str) -> int:
+    """Bytes of ordinary parameters and buffers on `device_type` (read once per decode token); the
+    input embedding is left out (a token reads one row of it)."""
+    skip = {id(p) for p in model.get_input_embeddings().parameters()}
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == device_type and id(t) not in skip and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def cpu_read_bandwidth(threads: int, gib: float = 4.0) -> float:
+    from . import native
+    if not native.available():
+        return 0.0
+    pool = native.default_pool(threads)
+    return native.probe_read_gbps(pool, int(gib * GIB), reps=5)
+
+
+def gpu_copy_bandwidth(gib: float = 2.0) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), median of 10 after a warm-up."""
+    if not torch.cuda.is_available():
+        return 0.0
+    n = int(gib * GIB) // 2
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n / sorted(times)[len(times) // 2] / 1e9
+
+
+def warm_experts(model) -> float:
+    """Read every CPU expert byte once (memory-mapped GGUF pages are faulted in); seconds taken."""
+    t0 = time.perf_counter()
+    for m in _expert_modules(model):
+        for mat in (m.kernel.gate, m.kernel.up, m.kernel.down):
+            flat = mat.data.view(-1)
+            for start in range(0, flat.numel(), 1 << 28):
+                int(flat[start:start + (1 << 28)][::4096].sum())
+    return time.perf_counter() - t0
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, max(4, vocab - 1), (n,), generator=g).tolist()
+
+
+def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2048, 8192),
+              decode_tokens: int = 64, decode_prompt: int = 128, warm: bool = True,
+              progress=None) -> ModelBench:
+    from .generate import generate
+    from .load import optimize_and_load
+    say = progress or (lambda msg: None)
+    say(f"loading {model_path}")
+    t0 = time.perf_counter()
+    model, tok = optimize_and_load(model_path, rules)
+    res = ModelBench(str(model_path), str(rules))
+    res.notes.append(f"load {time.perf_counter() - t0:.1f} s")
+    if warm:
+        say("faulting in the CPU expert weights")
+        res.notes.append(f"warm {warm_experts(model):.1f} s")
+    vocab = int(model.config.vocab_size)
+    max_len = max([*prompt_lengths, decode_prompt]) + decode_tokens + 8
+    say("warm-up generation")
+    generate(model, tok, _prompt(vocab, 64, 0), max_new_tokens=4, max_cache_len=max_len)
+    for n in prompt_lengths:
+        say(f"prefill {n} tokens")
+        r = generate(model, tok, _prompt(vocab, n, n), max_new_tokens=1, max_cache_len=max_len)
+        res.prefill[str(n)] = round(r.prefill_tokens_per_s, 1)
+    say(f"decode {decode_tokens} tokens")
+    r = generate(model, tok, _prompt(vocab, decode_prompt, 1), max_new_tokens=decode_tokens,
+                 max_cache_len=max_len)
+    res.decode_tokens_per_s = round(r.decode_tokens_per_s, 2)
+    res.decode_mode = str(getattr(r, "decode_mode", ""))
+    say("measuring the machine")
+    res.cpu_expert_bytes_per_token, res.threads = cpu_expert_bytes_per_token(model)
+    res.cpu_dense_bytes_per_token = dense_bytes_per_token(model, "cpu")
+    res.gpu_bytes_per_token = dense_bytes_per_token(model, "cuda")
+    cpu_bytes = res.cpu_expert_bytes_per_token + res.cpu_dense_bytes_per_token
+    res.cpu_bandwidth_gbps = round(cpu_read_bandwidth(res.threads or 0), 1) if cpu_bytes else 0.0
+    res.gpu_bandwidth_gbps = round(gpu_copy_bandwidth(), 1) if res.gpu_bytes_per_token else 0.0
+    seconds = 0.0
+    if cpu_bytes:
+        if not res.cpu_bandwidth_gbps:
+            raise KtInjectError("the native library is missing: cannot measure the CPU read bandwidth")
+        seconds += cpu_bytes / (res.cpu_bandwidth_gbps * 1e9)
+    if res.gpu_bytes_per_token:
+        seconds += res.gpu_bytes_per_token / (res.gpu_bandwidth_gbps * 1e9)
+    if seconds:
+        res.roofline_tokens_per_s = round(1.0 / seconds, 1)
+        res.fraction = round(res.decode_tokens_per_s / res.roofline_tokens_per_s, 3)
+    return res

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
+# gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
+# benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [v2lite] [qwen3] [prefill]
+set -o pipefail
+OUT=${OUT:-e2e_out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+steps=" ${*:-tests v2lite} "
+{ nvidia-smi -L; lscpu | grep -E '^(Model name|CPU\(s\)|NUMA node\(s\))'; free -g | head -2
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+python3 -m ktinject.native.build 2>&1 | tail -2
+python3 -m ktinject doctor 2>&1 | tee "$OUT/doctor.txt"
+if [[ $steps == *" tests "* ]]; then
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::FutureWarning --continue-on-collection-errors tests \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 90 python3 -m ktinject run --prompt "Once upon a time" --max-new-tokens 32 2>&1 | tee "$OUT/run_default.txt" | tail -6
+fi
+bench() {   # name arch rules [extra bench args]
+  local name=$1 arch=$2 rules=$3; shift 3
+  [ -f /tmp/$name.gguf ] || timeout 200 python3 -m ktinject synth --arch "$arch" --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/$name.gguf 2>&1 | tail -1
+  timeout ${BENCH_TIMEOUT:-200} python3 -m ktinject bench /tmp/$name.gguf --rules "$rules" --json "$@" \
+    2> "$OUT/bench_${name}_${rules}.err" | tee "$OUT/bench_${name}_${rules}.json"
+  tail -3 "$OUT/bench_${name}_${rules}.err"
+}
+[[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2
+[[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
+[[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
+exit 0
