@@ -82,7 +82,9 @@ class TransferMemo:
     """Per-forward memo of device copies: a tensor crosses to a given device once.
 
     Keys hold the source tensor itself (so its id cannot be reused while the memo lives) and
-    its version counter (an in-place change makes a fresh copy). `transfers` counts copies.
+    its version counter (an in-place change makes a fresh copy; inference-mode tensors have none,
+    and within one forward pass the model's inputs are not changed in place). `transfers` counts
+    copies.
     """
 
     def __init__(self) -> None:
@@ -96,12 +98,13 @@ class TransferMemo:
         if t.device == device:
             return t
         key = (id(t), device)
+        version = None if t.is_inference() else t._version    # inference tensors keep no version counter
         hit = self._moved.get(key)
-        if hit is not None and hit[0] is t and hit[1] == t._version:
+        if hit is not None and hit[0] is t and hit[1] == version:
             return hit[2]
         # host -> device copies may be asynchronous; device -> host copies must complete before use
         moved = t.to(device, non_blocking=device.type != "cpu")
-        self._moved[key] = (t, t._version, moved)
+        self._moved[key] = (t, version, moved)
         self.transfers += 1
         return moved
 

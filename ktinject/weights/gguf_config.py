@@ -272,6 +272,17 @@ def _convert_gguf_tokenizer():
     return convert_gguf_tokenizer
 
 
+def _byte_level_bpe(tdict: dict):
+    """A byte-level BPE `tokenizers.Tokenizer` over the GGUF vocabulary (no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    vocab = {tok: i for i, tok in enumerate(tdict["tokens"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
 def tokenizer_from_metadata(values: dict, lazy: Callable[[str], Any], file: str = ""):
     """A `PreTrainedTokenizerFast` from the `tokenizer.ggml.*` keys, through transformers' converters."""
     from transformers import PreTrainedTokenizerFast
@@ -297,7 +308,11 @@ def tokenizer_from_metadata(values: dict, lazy: Callable[[str], Any], file: str 
     if "tokens" not in tdict:
         raise WeightError("metadata key 'tokenizer.ggml.tokens' is missing", file=file or None)
     try:
-        backend, extra = _convert_gguf_tokenizer()(CONVERTER_ARCH[model], tdict)
+        if model == "gpt2" and not tdict["merges"]:
+            # a byte vocabulary without merges: some transformers releases' converters cannot take it
+            backend, extra = _byte_level_bpe(tdict), {}
+        else:
+            backend, extra = _convert_gguf_tokenizer()(CONVERTER_ARCH[model], tdict)
     except Exception as exc:                      # the converters raise many kinds on odd vocabularies
         raise WeightError(f"transformers cannot build the {model!r} tokenizer of this file: {exc}",
                           file=file or None) from None
