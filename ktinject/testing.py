@@ -120,3 +120,14 @@ def save_tiny(family: str, directory: str | Path, seed: int = 0, dtype: torch.dt
     model.save_pretrained(directory)
     byte_tokenizer(model.config.vocab_size).save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def bf16_error_bound(family: str, ids: torch.Tensor, got: torch.Tensor, device: str = "cuda") -> tuple[float, float]:
+    """(relative error of `got` against the float32 tiny model, the same error of transformers' own
+    bfloat16 run on `device`): random tiny models amplify rounding, so a bfloat16 layout is judged
+    against what transformers itself reaches in bfloat16 on the same input."""
+    want = build_tiny(family)(ids).logits
+    same = build_tiny(family).to(device=device, dtype=torch.bfloat16)(ids.to(device)).logits.float().cpu()
+    rel = float((got.float().cpu() - want).norm() / want.norm())
+    return rel, float((same - want).norm() / want.norm())

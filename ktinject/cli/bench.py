@@ -34,7 +34,7 @@ def _ints(text: str) -> list[int]:
 def add_arguments(p) -> None:
     p.add_argument("target", help="'experts' (routed-experts layer) or a model path (GGUF file or directory)")
     m = p.add_argument_group("model")
-    m.add_argument("--rules", action="append", help="rule file or shipped pack (default: the family's pack)")
+    m.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
     m.add_argument("--prompt-lengths", default="512,2048,8192", help="prefill prompt lengths (comma-separated)")
     m.add_argument("--decode-tokens", type=int, default=64, help="tokens to decode (default 64)")
     m.add_argument("--no-warm", action="store_true", help="do not fault in memory-mapped expert weights first")
