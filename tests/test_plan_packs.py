@@ -206,5 +206,23 @@ def test_example_rule_file_plans():
     assert by["model.layers.1.mlp.experts"].device == "cuda" and by["model.layers.2.mlp.experts"].device == "cuda"
     assert by["lm_head"].dtype == "float32" and by["model.norm"].dtype == "bfloat16"
     # the tiny model has two MoE layers, both taken by the example: the pack's experts rule and its
-    # lm_head rule are shadowed, and reported as matching nothing
-    assert len(p.unmatched_rules) == 2 and all("deepseek-v2.yaml" in r for r in p.unmatched_rules)
+    # lm_head rule are overridden (reported apart from rules that match nothing)
+    assert not p.unmatched_rules
+    assert len(p.overridden_rules) == 2 and all("deepseek-v2.yaml" in r for r in p.overridden_rules)
+
+
+def test_overridden_rules_are_reported_apart_from_unmatched(tmp_path):
+    r = write(tmp_path, r"""
+        version: 1
+        include: [qwen3-moe]
+        rules:
+          - match: {name: 'lm_head'}
+            replace: {op: keep}
+          - match: {name: 'model\.nothing'}
+            replace: {op: keep}
+        """)
+    p = plan(tiny_config("qwen3_moe"), str(r))
+    assert len(p.unmatched_rules) == 1 and "nothing" in p.unmatched_rules[0]
+    assert len(p.overridden_rules) == 1 and "qwen3-moe.yaml" in p.overridden_rules[0] \
+        and "lm_head" in p.overridden_rules[0]
+    assert p.to_dict()["overridden_rules"] == list(p.overridden_rules)

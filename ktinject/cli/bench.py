@@ -59,8 +59,8 @@ def run(args) -> int:
     if fn is None:
         from pathlib import Path
         if not Path(args.target).exists():
-            raise KtInjectError(f"bench target {args.target!r} is neither {', '.join(TARGETS)} nor an existing "
-                                f"model path")
+            raise KtInjectError(f"bench target {args.target!r} is not a benchmark nor an existing model path "
+                                f"(allowed: {', '.join(TARGETS)}, or a model path)")
         fn = bench_model
     return fn(args)
 

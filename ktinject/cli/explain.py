@@ -59,6 +59,10 @@ def run(args) -> int:
                       "masks cross each once per forward):")
         for b in crossings:
             console.print(f"  {b}", highlight=False)
+    if p.overridden_rules:
+        console.print("[dim]rules overridden by earlier rules (every module they match was taken first):[/]")
+        for r in p.overridden_rules:
+            console.print(f"  [dim]{r}[/]", highlight=False)
     if p.unmatched_rules:
         console.print("[yellow]rules that matched nothing:[/]")
         for r in p.unmatched_rules:

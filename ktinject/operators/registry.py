@@ -36,6 +36,7 @@ BUILTIN_MODULES = (
     "ktinject.operators.linear_fp8",
     "ktinject.operators.mla_attention",
     "ktinject.operators.gpu_experts",
+    "ktinject.operators.streamed_experts",
 )
 
 

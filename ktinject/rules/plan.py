@@ -61,6 +61,9 @@ class Plan:
     default_dtype: str
     files: tuple[str, ...] = ()
     rules: Optional[RuleSet] = field(default=None, compare=False, repr=False)
+    # rules that matched modules, but each of those modules was taken by an earlier rule (an
+    # including file's own rules come first): not mistakes, reported apart from unmatched_rules
+    overridden_rules: tuple[str, ...] = ()
 
     def entry(self, name: str) -> PlanEntry:
         for e in self.entries:
@@ -89,7 +92,7 @@ class Plan:
         return {"default_device": self.default_device, "default_dtype": self.default_dtype,
                 "files": list(self.files), "totals": dict(self.totals),
                 "boundaries": [vars(b) for b in self.boundaries],
-                "unmatched_rules": list(self.unmatched_rules),
+                "unmatched_rules": list(self.unmatched_rules), "overridden_rules": list(self.overridden_rules),
                 "modules": [{**asdict(e), "kwargs": dict(e.kwargs), "bytes": dict(e.bytes)} for e in self.entries]}
 
     def to_json(self, **kw) -> str:
@@ -136,9 +139,10 @@ def plan(config_or_skeleton: Any, rules: Any, *, dtype: Optional[torch.dtype] = 
     for e in walker.entries:
         for dev, n in e.bytes.items():
             totals[dev] = totals.get(dev, 0) + n
-    unmatched = tuple(r.describe() for r in ruleset.rules if id(r) not in walker.used)
+    unmatched = tuple(r.describe() for r in ruleset.rules if id(r) not in walker.used | walker.shadowed)
+    overridden = tuple(r.describe() for r in ruleset.rules if id(r) in walker.shadowed and id(r) not in walker.used)
     return Plan(tuple(walker.entries), unmatched, totals, root_device, dtype_name(root_dtype), ruleset.files,
-                ruleset)
+                ruleset, overridden)
 
 
 def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype) -> int:
@@ -158,6 +162,7 @@ class _Walker:
         self.rules, self.config, self.check = ruleset.rules, config, check_devices
         self.entries: list[PlanEntry] = []
         self.used: set[int] = set()
+        self.shadowed: set[int] = set()        # rules that matched a module an earlier rule had taken
         self.unavailable: list[str] = []
 
     def check_inherited(self, device: str, what: str) -> None:
@@ -168,11 +173,15 @@ class _Walker:
         if not name:
             return None
         classes = class_names(module)
+        first = None
         for rule in self.rules:
             if matches(rule, name, classes):
-                self.used.add(id(rule))
-                return rule
-        return None
+                if first is None:
+                    first = rule
+                    self.used.add(id(rule))
+                else:
+                    self.shadowed.add(id(rule))
+        return first
 
     def walk(self, module: nn.Module, name: str, pre_dev: str, gen_dev: str, dtype: str) -> dict[str, int]:
         """Plan `module` and its subtree; returns the bytes its subtree counts per device (for parent ops)."""
