@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [v2lite] [qwen3] [prefill]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [v2lite] [prefill] [qwen3] [layer]
 set -o pipefail
 OUT=${OUT:-e2e_out}
 mkdir -p "$OUT"
@@ -35,4 +35,8 @@ bench() {   # name arch rules [extra bench args]
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
+if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
+  timeout 120 python3 -c "from ktinject.operators.streamed_experts import bench_layer as b; [print(r) for r in b()]" \
+    2>&1 | tee "$OUT/stream_layer.txt" | tail -12
+fi
 exit 0
