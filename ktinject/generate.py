@@ -237,14 +237,16 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     length = max_cache_len or -(-(n_prompt + max_new_tokens + 1) // 256) * 256
     cache, cache_kind = _make_cache(model, length, 1, device, static_cache)
     stepper = _Stepper(model, cache, device)
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_ids(model, tokenizer)
 
     t0 = time.perf_counter()
     with _phase("prefill"):
         for start in range(0, n_prompt, chunk_size):
             logits = stepper.forward(ids[:, start:start + chunk_size], start)
-    history = ids[0]
+    # sampling happens where the logits are (the GPU of lm_head in hybrid layouts, whose embedding
+    # and so input ids live on the CPU)
+    history = ids[0].to(logits.device)
+    gen = torch.Generator(device=logits.device).manual_seed(seed) if seed is not None else None
     nxt = sample_next(logits[0], history, opts, gen)
     first = int(nxt)
     t1 = time.perf_counter()

@@ -46,3 +46,21 @@ def test_hybrid_pack_on_gpu_matches_reference(family, tmp_path):
     # bfloat16 error on the same input
     rel, bf16_rel = bf16_error_bound(family, ids, got)
     assert rel < max(3 * bf16_rel, 1e-2), (rel, bf16_rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen2_moe"])
+def test_generate_with_hybrid_pack(family, tmp_path):
+    """Embedding on the CPU, lm_head on the GPU: the engine's cached greedy decode equals greedy
+    decoding by full recomputation of the same loaded model (float32, so no near-tie flips)."""
+    from ktinject import generate, optimize_and_load
+    d = save_tiny(family, tmp_path / family)
+    model, tok = optimize_and_load(d, family.replace("_", "-"), dtype="float32")
+    prompt = tok("The memory bandwidth", return_tensors="pt")["input_ids"][0].tolist()
+    res = generate(model, tok, prompt, max_new_tokens=8)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(len(res.token_ids)):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert res.token_ids == seq[len(prompt):] and len(res.token_ids) > 0
+    assert res.decode_mode.startswith("eager")          # CPU experts: no CUDA graph, and it says so
