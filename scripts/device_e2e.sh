@@ -32,7 +32,7 @@ bench() {   # name arch rules [extra bench args]
     2> "$OUT/bench_${name}_${rules}.err" | tee "$OUT/bench_${name}_${rules}.json"
   tail -3 "$OUT/bench_${name}_${rules}.err"
 }
-[[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2
+[[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --decode-tokens 32
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)

@@ -125,3 +125,19 @@ def test_gpu_bf16_decode_matches_transformers():
         la = ref(ids[:, t:t + 1], past_key_values=ca, use_cache=True).logits.float()
         lb = ours(ids[:, t:t + 1], past_key_values=cb, use_cache=True).logits.float()
         assert close(la, lb, 3e-2)
+
+
+def test_cache_made_in_inference_mode_serves_later_plain_calls(tmp_path):
+    """`generate` runs under inference_mode; the MLA latent cache it allocates must still take
+    updates from a later plain (no_grad) forward of the same model."""
+    from ktinject import generate, optimize_and_load
+    from ktinject.testing import save_tiny
+    d = save_tiny("deepseek_v2", tmp_path / "m")
+    model, tok = optimize_and_load(d, "deepseek-v2-cpu")
+    prompt = tok("memory bandwidth", return_tensors="pt")["input_ids"][0].tolist()
+    res = generate(model, tok, prompt, max_new_tokens=4)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(len(res.token_ids)):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert res.token_ids == seq[len(prompt):]

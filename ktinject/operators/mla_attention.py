@@ -148,8 +148,9 @@ class MLAAttention(Operator):
         """Allocate the latent cache for `batch` sequences of up to `max_len` tokens."""
         device = device or self.kv_a_layernorm.weight.device
         dtype = dtype or self._compute_dtype()
-        self.kv_cache = torch.zeros(batch, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
-                                    device=device, dtype=dtype)
+        with torch.inference_mode(False):   # a normal tensor: later calls outside inference mode update it
+            self.kv_cache = torch.zeros(batch, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
+                                        device=device, dtype=dtype)
         self.reserved = True
 
     def release(self) -> None:
@@ -167,10 +168,11 @@ class MLAAttention(Operator):
         step = self.options.grow_step
         length = max(needed, 2 * c.shape[1] if c is not None else 0)
         length = -(-length // step) * step
-        new = torch.zeros(max(batch, c.shape[0] if c is not None else 0), length, like.shape[-1],
-                          device=like.device, dtype=like.dtype)
-        if c is not None:
-            new[:c.shape[0], :c.shape[1]] = c.to(device=like.device, dtype=like.dtype)
+        with torch.inference_mode(False):   # see reserve()
+            new = torch.zeros(max(batch, c.shape[0] if c is not None else 0), length, like.shape[-1],
+                              device=like.device, dtype=like.dtype)
+            if c is not None:
+                new[:c.shape[0], :c.shape[1]] = c.to(device=like.device, dtype=like.dtype)
         self.kv_cache = new
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
