@@ -19,6 +19,10 @@ steps=" ${*:-tests v2lite} "
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m ktinject.native.build 2>&1 | tail -2
 python3 -m ktinject doctor 2>&1 | tee "$OUT/doctor.txt"
+if [[ $steps == *" gputests "* ]]; then   # only the tests changed since the last full run
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_load_devices.py tests/test_mla_attention.py \
+    2>&1 | tail -5
+fi
 if [[ $steps == *" tests "* ]]; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::FutureWarning --continue-on-collection-errors tests \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
@@ -35,6 +39,11 @@ bench() {   # name arch rules [extra bench args]
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --decode-tokens 32
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
+if [[ $steps == *" profile "* ]]; then   # one hybrid decode step, broken down
+  [ -f /tmp/v2l6.gguf ] || python3 -m ktinject synth --arch deepseek-v2-lite --layers 6 --recipe q4_k_m --no-progress \
+    /tmp/v2l6.gguf 2>&1 | tail -1
+  timeout 150 python3 scripts/profile_decode.py /tmp/v2l6.gguf 2>&1 | tee "$OUT/profile_decode.txt" | tail -45
+fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
   timeout 120 python3 -c "from ktinject.operators.streamed_experts import bench_layer as b; [print(r) for r in b()]" \
     2>&1 | tee "$OUT/stream_layer.txt" | tail -12
