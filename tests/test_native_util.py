@@ -59,12 +59,3 @@ def test_random_rows_are_valid_blocks():
         ref = dequant(qt, rows, 256)
         assert torch.isfinite(ref).all(), qt.name
         assert ref.abs().max() > 0, qt.name
-
-
-def test_model_threads_leave_a_core_to_the_driving_thread(monkeypatch):
-    from ktinject import native
-    from ktinject.operators.cpu_experts import model_threads
-    monkeypatch.setattr(native, "cpu_count", lambda: 16)
-    assert model_threads(0) == 15 and model_threads(16) == 16 and model_threads(3) == 3
-    monkeypatch.setattr(native, "cpu_count", lambda: 2)
-    assert model_threads(0) == 2

@@ -39,7 +39,7 @@ EXPERT_CLASSES = ("DeepseekV2Experts", "DeepseekV3Experts", "DeepseekV3NaiveMoe"
 
 @dataclass(frozen=True)
 class CpuExpertsOptions:
-    threads: int = 0                     # worker threads (0: all CPUs of the affinity mask but one, see model_threads)
+    threads: int = 0                     # worker threads (0: one per CPU of the affinity mask)
     quant: str = "bf16"                  # storage for dense (safetensors) weights
     isa: Optional[str] = None            # force an ISA path (default: best, or $KTINJECT_ISA)
     convert_unsupported: bool = False    # convert GGML types the kernels lack to `quant` (else error)
@@ -51,19 +51,6 @@ class CpuExpertsOptions:
             raise ValueError(f"quant {self.quant!r} is not one of {', '.join(CONVERT_BITS)}")
         if self.isa is not None and self.isa not in ISAS:
             raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISAS)}")
-
-
-def model_threads(threads: int) -> int:
-    """Workers for experts inside a model: `threads` when given; else every CPU but one when there
-    are four or more. The thread driving the model (Python, CUDA launches, the shared experts)
-    keeps running while the experts compute; a worker pinned to its core would straggle and hold
-    up every layer (measured on the lent 16-core machine: 2.1 ms per V2-Lite MoE layer in the
-    model with 16 workers, against 0.51 ms for the same layer alone in `bench experts`)."""
-    if threads > 0:
-        return threads
-    from .. import native
-    n = native.cpu_count()
-    return n - 1 if n >= 4 else n
 
 
 def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
@@ -186,7 +173,7 @@ class CpuExperts(Operator):
             raise LoadError("tensor not found in the weights", missing=missing)
         from ..native import MoEKernel
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
-        self.kernel = MoEKernel(gate, up, down, threads=model_threads(self.options.threads), isa=self.options.isa)
+        self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa)
         self._loaded_prefix = prefix
         return keys
 
