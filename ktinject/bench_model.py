@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

@@ -32,3 +32,31 @@ def pick_rules(rules: Optional[list], path, console, config_dir=None):
     pack = default_pack(load_config(path, config_dir), cuda)
     console.print(f"[dim]rules:[/] shipped pack [bold]{pack}[/] ({'CUDA found' if cuda else 'no CUDA: CPU layout'})")
     return [pack]
+
+
+def load_for_cli(args, console):
+    """Load `args.model` (or the default model) with `args.rules` (or the family pack), requiring a
+    tokenizer: the shared start of `run`, `chat` and `profile`. Returns (path, model, tokenizer)."""
+    from ..errors import ModelError
+    from ..load import optimize_and_load
+    path = model_path(args.model)
+    rules = pick_rules(args.rules, path, console, args.config_dir)
+    opts = {"config_dir": args.config_dir} if args.config_dir else {}
+    model, tokenizer = optimize_and_load(path, rules, dtype=args.dtype, **opts)
+    if tokenizer is None:
+        raise ModelError(f"{path} has no tokenizer; pass --config-dir with a Hugging Face tokenizer")
+    return path, model, tokenizer
+
+
+def add_writer_arguments(p) -> None:
+    """Options shared by the GGUF writers (`convert`, `synth`)."""
+    p.add_argument("--split-max-size", type=int, default=0, metavar="BYTES", help="split at about BYTES per file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads (default: torch's choice; 1 is faster on a busy machine)")
+
+
+def apply_threads(args) -> None:
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from ..errors import ModelError
-from ._common import model_path, pick_rules
+from ._common import load_for_cli
 
 NAME = "chat"
 HELP = "interactive multi-turn chat with a model (chat template from its tokenizer, streaming)"
@@ -61,13 +61,7 @@ def chat_loop(model, tokenizer, read: Callable[[], Optional[str]], write: Callab
 
 def run(args) -> int:
     from . import console
-    from ..load import optimize_and_load
-    path = model_path(args.model)
-    rules = pick_rules(args.rules, path, console, args.config_dir)
-    opts = {"config_dir": args.config_dir} if args.config_dir else {}
-    model, tokenizer = optimize_and_load(path, rules, dtype=args.dtype, **opts)
-    if tokenizer is None:
-        raise ModelError(f"{path} has no tokenizer; pass --config-dir with a Hugging Face tokenizer")
+    path, model, tokenizer = load_for_cli(args, console)
     console.print("[dim]chat: /reset clears the conversation, /exit or Ctrl-D quits[/]")
 
     def read() -> Optional[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ._common import add_writer_arguments, apply_threads
+
 NAME = "convert"
 HELP = "write a Hugging Face model directory as a GGUF file (llama.cpp names, per-tensor type presets)"
 
@@ -15,18 +17,13 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="q4_k_m", choices=sorted(PRESETS),
                    help="tensor type recipe (default q4_k_m)")
     p.add_argument("--split-max-tensors", type=int, default=0, metavar="N", help="split after N tensors per file")
-    p.add_argument("--split-max-size", type=int, default=0, metavar="BYTES", help="split at about BYTES per file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch threads (default: torch's choice; 1 is faster on a busy machine)")
+    add_writer_arguments(p)
 
 
 def run(args) -> int:
     from . import console
     from ..weights.gguf_write import convert_model
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     start = time.perf_counter()
     files = convert_model(args.hf_dir, args.out, args.preset, split_max_tensors=args.split_max_tensors,
                           split_max_size=args.split_max_size, progress=not args.no_progress)

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 
 from ..errors import ModelError
-from ._common import model_path, pick_rules
+from ._common import load_for_cli
 
 NAME = "profile"
 HELP = "record how often each routed expert is chosen on sample prompts (for gpu_experts)"
@@ -78,7 +78,6 @@ def run(args) -> int:
     from rich.table import Table
 
     from . import console
-    from ..load import optimize_and_load
     prompts = list(args.prompt)
     if args.prompts:
         try:
@@ -87,12 +86,7 @@ def run(args) -> int:
             raise ModelError(f"{args.prompts}: cannot read prompts ({exc.strerror})") from None
     if not prompts:
         raise ModelError("no prompts: pass --prompts FILE or --prompt TEXT")
-    path = model_path(args.model)
-    rules = pick_rules(args.rules, path, console, args.config_dir)
-    opts = {"config_dir": args.config_dir} if args.config_dir else {}
-    model, tokenizer = optimize_and_load(path, rules, dtype=args.dtype, **opts)
-    if tokenizer is None:
-        raise ModelError(f"{path} has no tokenizer; pass --config-dir with a Hugging Face tokenizer")
+    path, model, tokenizer = load_for_cli(args, console)
     prof = record_profile(model, tokenizer, prompts, args.max_new_tokens)
     prof["model"] = str(path)
     Path(args.out).write_text(json.dumps(prof, indent=1))

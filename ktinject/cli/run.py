@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from ._common import model_path, pick_rules
+from ._common import load_for_cli
 
 # Model output goes to a terminal: control characters (escape sequences!) are shown as U+FFFD.
 _UNPRINTABLE = {c: "\ufffd" for c in [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)] if c not in (0x09, 0x0A)}
@@ -27,16 +27,10 @@ def run(args) -> int:
     from . import console
     from ..errors import ModelError
     from ..generate import generate
-    from ..load import optimize_and_load
     if args.max_new_tokens < 1:
         raise ModelError("--max-new-tokens must be at least 1")
-    path = model_path(args.model)
-    rules = pick_rules(args.rules, path, console, args.config_dir)
     t0 = time.perf_counter()
-    opts = {"config_dir": args.config_dir} if args.config_dir else {}
-    model, tokenizer = optimize_and_load(path, rules, dtype=args.dtype, **opts)
-    if tokenizer is None:
-        raise ModelError(f"{path} has no tokenizer; pass --config-dir with a Hugging Face tokenizer")
+    path, model, tokenizer = load_for_cli(args, console)
     console.print(f"[dim]loaded {path} in {time.perf_counter() - t0:.1f} s[/]", highlight=False)
     console.print(args.prompt, end="", markup=False, highlight=False, style="bold")
     result = generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ._common import add_writer_arguments, apply_threads
+
 NAME = "synth"
 HELP = "write a random-weight GGUF with the shapes and metadata of a public model (no download)"
 
@@ -17,18 +19,13 @@ def add_arguments(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     p.add_argument("--recipe", default="q4_k_m", choices=sorted(PRESETS), help="tensor type recipe (default q4_k_m)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split-max-size", type=int, default=0, metavar="BYTES", help="split at about BYTES per file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch threads (default: torch's choice; 1 is faster on a busy machine)")
+    add_writer_arguments(p)
 
 
 def run(args) -> int:
     from . import console
     from ..weights.synth import synthesize
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     start = time.perf_counter()
     files = synthesize(args.arch, args.out, layers=args.layers, recipe_name=args.recipe, seed=args.seed,
                        split_max_size=args.split_max_size, progress=not args.no_progress)

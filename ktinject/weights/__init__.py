@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import WeightError
 from .tensor import FusedTensor, GGMLTensor, WeightLike, as_dense
