@@ -131,3 +131,19 @@ def bf16_error_bound(family: str, ids: torch.Tensor, got: torch.Tensor, device: 
     same = build_tiny(family).to(device=device, dtype=torch.bfloat16)(ids.to(device)).logits.float().cpu()
     rel = float((got.float().cpu() - want).norm() / want.norm())
     return rel, float((same - want).norm() / want.norm())
+
+
+def first_moe_block(family: str, seed: int = 0):
+    """(tiny model, its first MoE block) of `family`."""
+    model = build_tiny(family, seed=seed)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            return model, layer.mlp
+    raise ValueError(f"the tiny {family} model has no MoE layer")
+
+
+def random_routing(tokens: int, experts: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random routing: distinct top-k expert ids [T, k] (int64) and weights [T, k] (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices.contiguous()
+    return ids, torch.rand(tokens, k, generator=g).contiguous()

@@ -6,12 +6,8 @@
 # 4. runs the bench matrix (JSON lines in $OUT/bench.jsonl).
 set -o pipefail
 MODE=${1:-quick}
-OUT=${OUT:-/tmp/ktk_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+DEFAULT_OUT=/tmp/ktk_out
+. scripts/device_env.sh
 { uname -r; lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA|L3"; grep -o -E "avx512[a-z_0-9]*|amx[a-z_0-9]*" /proc/cpuinfo | sort -u | tr '\n' ' '; echo; free -g | head -2; } 2>&1 | tee "$OUT/hw.txt"
 python3 -m ktinject.native.build 2>&1 | tail -3 | tee "$OUT/build.log" || exit 1
 python3 -c "import json, ktinject.native as n; print(json.dumps(n.describe()))" | tee "$OUT/describe.json"

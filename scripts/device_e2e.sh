@@ -4,15 +4,8 @@
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
 # Usage, from the repo root: bash scripts/device_e2e.sh [tests] [v2lite] [prefill] [qwen3] [layer]
 set -o pipefail
-OUT=${OUT:-e2e_out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+DEFAULT_OUT=e2e_out
+. scripts/device_env.sh
 steps=" ${*:-tests v2lite} "
 { nvidia-smi -L; lscpu | grep -E '^(Model name|CPU\(s\)|NUMA node\(s\))'; free -g | head -2
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

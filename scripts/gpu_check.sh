@@ -3,15 +3,8 @@
 # Usage (on the lent H200, from the repo root): bash scripts/gpu_check.sh [bench args...]
 # Logs and results go to $OUT (or ./gpu_out when OUT is unset).
 set -o pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+DEFAULT_OUT=gpu_out
+. scripts/device_env.sh
 { nvidia-smi -L; python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::FutureWarning \

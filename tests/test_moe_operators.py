@@ -16,7 +16,7 @@ from ktinject import native
 from ktinject.errors import LoadError, ModelError, UnsupportedQuantError
 from ktinject.operators import registry
 from ktinject.operators.base import BuildContext
-from ktinject.testing import FAMILIES, build_tiny
+from ktinject.testing import FAMILIES, first_moe_block, random_routing
 from ktinject.weights.tensor import FusedTensor, GGMLTensor
 
 from test_native_util import dequant, rand_rows, ref_moe, rel_err
@@ -27,19 +27,6 @@ CPU = torch.device("cpu")
 
 def _ctx(model, options, name="model.layers.1.mlp"):
     return BuildContext(name, CPU, CPU, CPU, None, model.config, options)
-
-
-def _moe_block(family):
-    model = build_tiny(family)
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            return model, layer.mlp
-    raise AssertionError("no MoE layer")
-
-
-def _routing(T, E, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(T, E, generator=g).topk(k, dim=1).indices, torch.rand(T, k, generator=g)
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +43,7 @@ def test_registered():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quant,tol", [("bf16", 1e-2), ("q8_0", 3e-2)])
 def test_cpu_experts_matches_transformers(family, quant, tol):
-    model, block = _moe_block(family)
+    model, block = first_moe_block(family)
     orig = block.experts
     Op = registry.get("cpu_experts")
     op = Op.build(copy.deepcopy(orig).to("meta"), _ctx(model, Op.Options(threads=2, quant=quant)))
@@ -65,7 +52,7 @@ def test_cpu_experts_matches_transformers(family, quant, tol):
     k = model.config.num_experts_per_tok
     for T in (1, 40):
         x = torch.randn(T, model.config.hidden_size)
-        ids, w = _routing(T, op.num_experts, k, seed=T)
+        ids, w = random_routing(T, op.num_experts, k, seed=T)
         with torch.no_grad():
             ref = orig(x, ids, w)
         out = op(x, ids, w)
@@ -74,13 +61,13 @@ def test_cpu_experts_matches_transformers(family, quant, tol):
 
 
 def test_cpu_experts_returns_caller_dtype_and_async():
-    model, block = _moe_block("qwen3_moe")
+    model, block = first_moe_block("qwen3_moe")
     orig = block.experts
     Op = registry.get("cpu_experts")
     op = Op.build(orig, _ctx(model, Op.Options(threads=2)))
     op.load_weights("", {"gate_up_proj": orig.gate_up_proj.data, "down_proj": orig.down_proj.data})
     x = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
-    ids, w = _routing(6, op.num_experts, 2)
+    ids, w = random_routing(6, op.num_experts, 2)
     op.submit(x, ids.to(torch.int32), w.to(torch.bfloat16))
     out = op.sync()
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
@@ -92,7 +79,7 @@ def test_cpu_experts_returns_caller_dtype_and_async():
 def test_cpu_experts_on_gguf_blocks():
     """GGUF layout: gate and up as a FusedTensor of two GGMLTensors (Q4_K), down in Q5_0 (what
     llama.cpp writes for rows of 1408 values); zero copy, against the dequantized reference."""
-    model, block = _moe_block("deepseek_v2")
+    model, block = first_moe_block("deepseek_v2")
     E, H, I = block.experts.gate_up_proj.shape[0], model.config.hidden_size, model.config.moe_intermediate_size
     g, u, d = rand_rows(QT.Q4_K, E * I, H, 1), rand_rows(QT.Q4_K, E * I, H, 2), rand_rows(QT.Q5_0, E * H, I, 3)
     gu = FusedTensor((GGMLTensor(int(QT.Q4_K), (E, I, H), g, "blk.1.ffn_gate_exps.weight", "m.gguf"),
@@ -106,12 +93,12 @@ def test_cpu_experts_on_gguf_blocks():
         dequant(QT.Q5_0, d, I).reshape(E, H, I)
     for T in (1, 50):
         x = torch.randn(T, H)
-        ids, w = _routing(T, E, 2, seed=T)
+        ids, w = random_routing(T, E, 2, seed=T)
         assert rel_err(op(x, ids, w), ref_moe(x, ids, w, G, U, D)) < 4e-2
 
 
 def test_unsupported_ggml_type_is_an_error_unless_converted():
-    model, block = _moe_block("mixtral")
+    model, block = first_moe_block("mixtral")
     E, I2, H = block.experts.gate_up_proj.shape
     q2 = GGMLTensor(int(QT.Q2_K), (E, I2, H), torch.zeros(E * I2, 84 * H // 256, dtype=torch.uint8),
                     "blk.0.ffn_gate_up_exps.weight", "m.gguf")
@@ -127,7 +114,7 @@ def test_unsupported_ggml_type_is_an_error_unless_converted():
 
 
 def test_load_errors_name_the_tensor():
-    model, block = _moe_block("qwen2_moe")
+    model, block = first_moe_block("qwen2_moe")
     Op = registry.get("cpu_experts")
     op = Op.build(block.experts, _ctx(model, Op.Options(threads=2)))
     with pytest.raises(LoadError, match="mlp.experts.down_proj"):
@@ -145,14 +132,14 @@ def test_options_validate():
         Op.Options(threads=-2)
     with pytest.raises(ValueError, match="isa"):
         Op.Options(isa="neon")
-    model, block = _moe_block("qwen3_moe")
+    model, block = first_moe_block("qwen3_moe")
     model.config.hidden_act = "gelu"
     with pytest.raises(ModelError, match="gelu"):
         Op.build(block.experts, _ctx(model, Op.Options()))
 
 
 def test_planned_bytes_follow_the_storage():
-    model, block = _moe_block("deepseek_v3")
+    model, block = first_moe_block("deepseek_v3")
     Op = registry.get("cpu_experts")
     n = sum(p.numel() for p in block.experts.parameters())
     assert Op.planned_bytes(block.experts, _ctx(model, Op.Options(quant="bf16"))) == {"cpu": 2 * n}
@@ -164,7 +151,7 @@ def test_planned_bytes_follow_the_storage():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_block_matches_transformers(family):
-    model, block = _moe_block(family)
+    model, block = first_moe_block(family)
     M = registry.get("moe")
     op = M.build(copy.deepcopy(block).to("meta"), _ctx(model, M.Options(threads=2, quant="bf16")))
     src = {f"mlp.{k}": v for k, v in block.state_dict().items()}
@@ -178,7 +165,7 @@ def test_moe_block_matches_transformers(family):
 
 
 def test_moe_uses_an_already_replaced_experts_child():
-    model, block = _moe_block("deepseek_v2")
+    model, block = first_moe_block("deepseek_v2")
     Op, M = registry.get("cpu_experts"), registry.get("moe")
     meta = copy.deepcopy(block).to("meta")
     meta.experts = Op.build(meta.experts, _ctx(model, Op.Options(threads=2, quant="q8_0"), "mlp.experts"))
@@ -192,7 +179,7 @@ def test_moe_uses_an_already_replaced_experts_child():
 
 
 def test_moe_rejects_unknown_blocks():
-    model, _ = _moe_block("mixtral")
+    model, _ = first_moe_block("mixtral")
     M = registry.get("moe")
     with pytest.raises(ModelError, match="not a supported MoE block"):
         M.build(torch.nn.Linear(4, 4), _ctx(model, M.Options()))
@@ -201,7 +188,7 @@ def test_moe_rejects_unknown_blocks():
 @pytest.mark.gpu
 def test_moe_overlaps_gpu_shared_experts():
     """Router and shared experts on CUDA, routed experts on the CPU: same output as the block."""
-    model, block = _moe_block("deepseek_v2")
+    model, block = first_moe_block("deepseek_v2")
     M = registry.get("moe")
     cuda = torch.device("cuda")
     op = M.build(copy.deepcopy(block).to("meta"), BuildContext("mlp", cuda, cuda, cuda, None, model.config,

@@ -19,7 +19,7 @@ from ktinject.native.moe import ExpertMatrix
 from ktinject.operators import registry
 from ktinject.operators.base import BuildContext
 from ktinject.operators import streamed_experts as se
-from ktinject.testing import FAMILIES, build_tiny, save_tiny, tiny_config
+from ktinject.testing import FAMILIES, build_tiny, first_moe_block, random_routing, save_tiny, tiny_config
 
 from test_native_util import dequant, rand_rows, ref_moe, rel_err
 
@@ -34,21 +34,8 @@ def _ctx(model, options, name="model.layers.1.mlp.experts"):
     return BuildContext(name, CPU, CPU, CPU, None, model.config, options)
 
 
-def _moe_block(family):
-    model = build_tiny(family)
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            return model, layer.mlp
-    raise AssertionError("no MoE layer")
-
-
-def _routing(T, E, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(T, E, generator=g).topk(k, dim=1).indices, torch.rand(T, k, generator=g)
-
-
 def _op(family, **opts):
-    model, block = _moe_block(family)
+    model, block = first_moe_block(family)
     orig = block.experts
     Op = registry.get("streamed_experts")
     op = Op.build(copy.deepcopy(orig).to("meta"), _ctx(model, Op.Options(threads=2, **opts)))
@@ -105,14 +92,14 @@ def test_options_validate():
     with pytest.raises(RuleError, match="min_tokens"):
         registry.make_options(Op, {"min_tokens": -3})
     assert registry.make_options(Op, {"min_tokens": 64, "quant": "q8_0"}).cpu_options().quant == "q8_0"
-    model, block = _moe_block("qwen3_moe")
+    model, block = first_moe_block("qwen3_moe")
     model.config.hidden_act = "gelu"
     with pytest.raises(ModelError, match="gelu"):
         Op.build(block.experts, _ctx(model, Op.Options()))
 
 
 def test_planned_bytes_are_cpu_experts_and_staging_is_reported():
-    model, block = _moe_block("deepseek_v3")
+    model, block = first_moe_block("deepseek_v3")
     Op, C = registry.get("streamed_experts"), registry.get("cpu_experts")
     for quant in ("bf16", "q4_k"):
         assert Op.planned_bytes(block.experts, _ctx(model, Op.Options(quant=quant))) == \
@@ -154,7 +141,7 @@ def test_below_threshold_and_cpu_inputs_use_the_cpu_kernel(family):
     k = model.config.num_experts_per_tok
     for T in (1, 15, 40):                 # below, just below, above the threshold (CPU inputs: CPU path)
         x = torch.randn(T, model.config.hidden_size)
-        ids, w = _routing(T, op.num_experts, k, seed=T)
+        ids, w = random_routing(T, op.num_experts, k, seed=T)
         assert op.path(x) == "cpu"
         with torch.no_grad():
             ref = orig(x, ids, w)
@@ -167,7 +154,7 @@ def test_below_threshold_and_cpu_inputs_use_the_cpu_kernel(family):
 def test_async_pair_and_errors():
     model, orig, op = _op("qwen3_moe")
     x = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
-    ids, w = _routing(6, op.num_experts, 2)
+    ids, w = random_routing(6, op.num_experts, 2)
     op.submit(x, ids.to(torch.int32), w.to(torch.bfloat16))
     with pytest.raises(NativeError, match="twice"):
         op.submit(x, ids, w)
@@ -213,7 +200,7 @@ def test_stream_math_matches_the_transformers_module_on_bf16(stream_on_cpu):
         k = model.config.num_experts_per_tok
         assert op.cpu_experts.kernel.gate.expert_stride == 2 * op.inter          # the strided (fused) layout
         x = torch.randn(24, model.config.hidden_size)
-        ids, w = _routing(24, op.num_experts, k, seed=5)
+        ids, w = random_routing(24, op.num_experts, k, seed=5)
         with torch.no_grad():
             ref = orig(x, ids, w)
         assert op.path(x) == "stream" and op.path(x[:7]) == "cpu"
@@ -284,7 +271,7 @@ def test_gpu_stream_path_direct():
     device buffers there), equals the reference on Q4_K/Q5_0 blocks; below it, the CPU kernel."""
     E, I, H, k = 8, 256, 256, 2
     mats, (G, U, D) = _ggml_mats((QT.Q4_K, QT.Q4_K, QT.Q5_0), E, I, H, seed=3)
-    model, block = _moe_block("deepseek_v2")
+    model, block = first_moe_block("deepseek_v2")
     Op = registry.get("streamed_experts")
     op = Op.build(copy.deepcopy(block.experts).to("meta"), _ctx(model, Op.Options(threads=2, min_tokens=32)))
     from ktinject.weights.tensor import FusedTensor, GGMLTensor
@@ -294,7 +281,7 @@ def test_gpu_stream_path_direct():
     op.load_weights("p.", {"p.gate_up_proj": gu, "p.down_proj": dn})
     for T, expect in ((64, "stream"), (8, "cpu")):
         x = torch.randn(T, H)
-        ids, w = _routing(T, E, k, seed=T)
+        ids, w = random_routing(T, E, k, seed=T)
         ref = ref_moe(x, ids, w, G, U, D)
         xc = x.to("cuda", torch.bfloat16)
         out = op(xc, ids.cuda(), w.cuda())
@@ -308,7 +295,7 @@ def test_gpu_stream_path_direct():
     # several chunks through both buffer pairs, both backends, f32 callers
     for backend in ("grouped_mm", "loop"):
         x = torch.randn(100, H)
-        ids, w = _routing(100, E, k, seed=7)
+        ids, w = random_routing(100, E, k, seed=7)
         out = se.stream_moe(x.cuda(), ids.cuda(), w.cuda(), *mats, chunk_bytes=1, backend=backend)
         torch.cuda.synchronize()
         assert out.is_cuda and rel_err(out.cpu(), ref_moe(x, ids, w, G, U, D)) < 2e-2, backend

@@ -121,19 +121,12 @@ def down_type(qt, inter: int):
     return {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q8_0, QT.Q6_K: QT.Q8_0}.get(qt, QT.Q8_0)
 
 
-def _routing(T: int, E: int, k: int, seed: int):
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.contiguous()       # distinct experts per token
-    w = torch.rand(T, k, generator=g).contiguous()
-    return ids, w
-
-
 def bench_experts(args) -> int:
     import torch
     from .. import native
     from ..native import MoEKernel, Pool, probe_read_gbps
     from ..native.synth import parse_quant
+    from ..testing import random_routing
     if not native.available():
         raise NativeError(native.missing_reason() or "native kernels unavailable")
     try:
@@ -159,7 +152,7 @@ def bench_experts(args) -> int:
             kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa) for g, u, d in layers]
             for T in batches:
                 x = torch.randn(T, H)
-                routes = [_routing(T, E, k, seed) for seed in range(4)]
+                routes = [random_routing(T, E, k, seed) for seed in range(4)]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
                 n_calls, t0 = 0, time.perf_counter()
