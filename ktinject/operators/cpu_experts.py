@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import LoadError, ModelError, NativeError, UnsupportedQuantError
 from ..weights.tensor import FusedTensor, GGMLTensor, logical_shape
 from .base import BuildContext, Operator
+from .experts import EXPERT_CLASSES as FUSED_EXPERT_CLASSES
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ NATIVE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12,
 # Dense-source conversions: name -> bits per weight (for the plan's byte count).
 CONVERT_BITS = {"f32": 32.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
 ISAS = ("scalar", "avx2", "avx512", "amx")
-EXPERT_CLASSES = ("DeepseekV2Experts", "DeepseekV3Experts", "DeepseekV3NaiveMoe", "Qwen2MoeExperts",
-                  "Qwen3MoeExperts", "MixtralExperts")
+# the five fused expert classes, and DeepseekV3NaiveMoe (its name in some transformers 5 releases)
+EXPERT_CLASSES = (*FUSED_EXPERT_CLASSES, "DeepseekV3NaiveMoe")
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,39 @@ _ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+# The transformers 5 fused routed-expert modules of the five families (3-D gate_up_proj / down_proj).
+EXPERT_CLASSES = ("DeepseekV2Experts", "DeepseekV3Experts", "Qwen2MoeExperts", "Qwen3MoeExperts", "MixtralExperts")
+
+
+def grouped_experts(x, idx, wts, slot_of, linear_gu, linear_dn, act, n_local) -> torch.Tensor:
+    """Routed experts grouped by expert with one sort: x [T, H], idx/wts [T, k], slot_of [E] (the
+    local slot of each expert, -1 for experts computed elsewhere) -> [T, H]. `linear_gu(v, slot)`
+    and `linear_dn(v, slot)` apply one expert's fused gate/up and down projections."""
+    t, k = idx.shape
+    local = slot_of[idx].reshape(-1)                                   # [T*k]
+    out = torch.zeros_like(x)
+    keep = (local >= 0).nonzero().squeeze(1)
+    if keep.numel() == 0:
+        return out
+    order = keep[torch.argsort(local[keep], stable=True)]              # slots grouped by expert
+    counts = torch.bincount(local[order], minlength=n_local).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start:start + n]
+        tok = slots // k                                               # [n] token of each slot
+        gate, up = linear_gu(x[tok], e).chunk(2, dim=-1)               # [n, I] each
+        y = linear_dn(act(gate) * up, e) * wts.reshape(-1)[slots, None].to(x.dtype)   # [n, H]
+        out.index_add_(0, tok, y.to(out.dtype))
+        start += n
+    return out
+
+
 @register("experts")
 class TorchExperts(Operator):
     Options = NoOptions
-    replaces = ("DeepseekV2Experts", "DeepseekV3Experts", "Qwen2MoeExperts", "Qwen3MoeExperts", "MixtralExperts")
+    replaces = EXPERT_CLASSES
     device_types = ("cpu", "cuda")
     summary = "reference routed experts (torch, grouped by expert)"
 
@@ -68,23 +97,9 @@ class TorchExperts(Operator):
         x = hidden_states.to(self.device, self.dtype)
         idx = top_k_index.to(self.device)
         wts = top_k_weights.to(self.device)
-        t, k = idx.shape
-        flat = idx.reshape(-1)                                  # [T*k]
-        order = torch.argsort(flat, stable=True)                # slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of_slot = order // k                              # [T*k] token of each sorted slot
-        weight_of_slot = wts.reshape(-1)[order]                 # [T*k]
-        out = torch.zeros_like(x)                               # [T, H]
-        start = 0
-        for e, n in enumerate(counts[:self.num_experts]):
-            if n == 0:
-                continue
-            tok = token_of_slot[start:start + n]                # [n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)   # [n, I] each
-            y = F.linear(self.act(gate) * up, self.down_proj[e])                 # [n, H]
-            y = y * weight_of_slot[start:start + n, None].to(y.dtype)
-            out.index_add_(0, tok, y.to(out.dtype))
-            start += n
+        every = torch.arange(self.num_experts, device=self.device)    # all experts are local
+        out = grouped_experts(x, idx, wts, every, lambda v, e: F.linear(v, self.gate_up_proj[e]),
+                              lambda v, e: F.linear(v, self.down_proj[e]), self.act, self.num_experts)
         return out.to(hidden_states.device, hidden_states.dtype)
 
     def extra_repr(self) -> str:

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .base import BuildContext, Operator
+from .experts import EXPERT_CLASSES, grouped_experts
 from .kernels import int4_pack
 from .registry import register
 
@@ -138,33 +139,10 @@ class GpuExpertsOptions:
             raise ValueError(f"group_size must be a power of two >= 8, got {self.group_size}")
 
 
-def _grouped(x, idx, wts, slot_of, linear_gu, linear_dn, act, n_local) -> torch.Tensor:
-    """Reference grouping: x [T, H], idx/wts [T, k], slot_of [E] local id or -1 -> [T, H]."""
-    t, k = idx.shape
-    local = slot_of[idx].reshape(-1)                                   # [T*k]
-    out = torch.zeros_like(x)
-    keep = (local >= 0).nonzero().squeeze(1)
-    if keep.numel() == 0:
-        return out
-    order = keep[torch.argsort(local[keep], stable=True)]
-    counts = torch.bincount(local[order], minlength=n_local).tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        slots = order[start:start + n]
-        tok = slots // k
-        gate, up = linear_gu(x[tok], e).chunk(2, dim=-1)               # [n, I] each
-        y = linear_dn(act(gate) * up, e) * wts.reshape(-1)[slots, None].to(x.dtype)
-        out.index_add_(0, tok, y.to(out.dtype))
-        start += n
-    return out
-
-
 @register("gpu_experts")
 class GpuExperts(Operator):
     Options = GpuExpertsOptions
-    replaces = ("DeepseekV2Experts", "DeepseekV3Experts", "Qwen2MoeExperts", "Qwen3MoeExperts", "MixtralExperts")
+    replaces = EXPERT_CLASSES
     device_types = ("cuda", "cpu")
     summary = "routed experts on the GPU (all, or N hot ones per layer with the rest on the CPU), bf16 or int4"
 
@@ -282,11 +260,11 @@ class GpuExperts(Operator):
         elif self.path(idx.numel()) == "slots":
             out = self._gpu_slots(x, idx, wts)
         else:
-            out = _grouped(x, idx, wts, self.gpu_slot, lambda v, e: F.linear(v, self._dense("gu", e, v.dtype)),
+            out = grouped_experts(x, idx, wts, self.gpu_slot, lambda v, e: F.linear(v, self._dense("gu", e, v.dtype)),
                            lambda v, e: F.linear(v, self._dense("dn", e, v.dtype)), self.act, len(self.gpu_ids))
         if self.cpu_ids:
             cw_gu, cw_dn = self.weights["cpu_gu"], self.weights["cpu_dn"]
-            out_cpu = _grouped(h_cpu.to(self.dtype), i_cpu, w_cpu, self.cpu_slot,
+            out_cpu = grouped_experts(h_cpu.to(self.dtype), i_cpu, w_cpu, self.cpu_slot,
                                lambda v, e: F.linear(v, cw_gu[e]), lambda v, e: F.linear(v, cw_dn[e]), self.act,
                                len(self.cpu_ids))
             out = out + out_cpu.to(out.device)
