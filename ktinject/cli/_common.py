@@ -34,6 +34,16 @@ def pick_rules(rules: Optional[list], path, console, config_dir=None):
     return [pack]
 
 
+def add_model_arguments(p) -> None:
+    """MODEL, --rules, --dtype and --config-dir: shared by the commands that load a model."""
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="model directory or GGUF file (default: the built-in DeepSeek-V2-style model)")
+    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
+    p.add_argument("--config-dir", help="a Hugging Face directory whose config.json and tokenizer override the "
+                                        "model's own (for GGUF files)")
+
+
 def load_for_cli(args, console):
     """Load `args.model` (or the default model) with `args.rules` (or the family pack), requiring a
     tokenizer: the shared start of `run`, `chat` and `profile`. Returns (path, model, tokenizer)."""

@@ -8,15 +8,14 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from ..errors import ModelError
-from ._common import load_for_cli
+from ._common import add_model_arguments, load_for_cli
 
 NAME = "chat"
 HELP = "interactive multi-turn chat with a model (chat template from its tokenizer, streaming)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory or GGUF file (default: built-in model)")
-    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
+    add_model_arguments(p)
     p.add_argument("--system", help="a system message to start the conversation with")
     p.add_argument("--max-new-tokens", "-n", type=int, default=256, help="tokens per reply (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -24,8 +23,6 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
-    p.add_argument("--config-dir", help="a Hugging Face directory with config.json and tokenizer (for GGUF)")
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -3,18 +3,14 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from ._common import human_bytes, model_path, pick_rules
+from ._common import add_model_arguments, human_bytes, model_path, pick_rules
 
 NAME = "explain"
 HELP = "show where each module goes (plan), bytes per device, and rules that matched nothing"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="model directory or GGUF file (default: the built-in default model)")
-    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
-    p.add_argument("--config-dir", help="a Hugging Face directory with config.json (for GGUF files)")
+    add_model_arguments(p)
     p.add_argument("--all", action="store_true", help="list every module, also those that inherit their device")
     p.add_argument("--check-devices", action="store_true", help="fail (or use fallbacks) for absent devices")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -9,21 +9,18 @@ from typing import Iterable
 import torch
 
 from ..errors import ModelError
-from ._common import load_for_cli
+from ._common import add_model_arguments, load_for_cli
 
 NAME = "profile"
 HELP = "record how often each routed expert is chosen on sample prompts (for gpu_experts)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", metavar="MODEL", help="model directory or GGUF file (default: built-in model)")
-    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
+    add_model_arguments(p)
     p.add_argument("--prompts", metavar="FILE", help="a text file, one prompt per line")
     p.add_argument("--prompt", "-p", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=16, help="tokens generated per prompt (default 16)")
     p.add_argument("--out", "-o", default="expert-profile.json", help="output JSON (default expert-profile.json)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
-    p.add_argument("--config-dir", help="a Hugging Face directory with config.json and tokenizer (for GGUF)")
 
 
 def _num_experts(module, config) -> int:

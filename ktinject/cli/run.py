@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from ._common import load_for_cli
+from ._common import add_model_arguments, load_for_cli
 
 # Model output goes to a terminal: control characters (escape sequences!) are shown as U+FFFD.
 _UNPRINTABLE = {c: "\ufffd" for c in [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)] if c not in (0x09, 0x0A)}
@@ -13,14 +13,10 @@ HELP = "load a model with rules and stream a completion (no MODEL: the built-in 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help="model directory or GGUF file (default: a small built-in DeepSeek-V2-style MoE)")
-    p.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
+    add_model_arguments(p)
     p.add_argument("--prompt", "-p", default="Once upon a time", help="the prompt text")
     p.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override defaults.dtype")
-    p.add_argument("--config-dir", help="a Hugging Face directory with config.json and tokenizer (for GGUF)")
 
 
 def run(args) -> int:
