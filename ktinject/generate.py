@@ -7,9 +7,11 @@ decode, sampling, EOS and stop strings, and prefill / decode tokens per second.
 * Prefill runs in chunks of `chunk_size` tokens under `ktinject.phase.use("prefill")`; only
   the last token's logits are computed (`logits_to_keep=1`).
 * Decode runs under `use("generate")`, one token per step. With `cuda_graph="auto"` the step is
-  captured once (after one eager step) in a CUDA graph and replayed per token when the model can be captured: every
-  parameter and buffer on CUDA and no module declaring `supports_cuda_graph = False` (CPU
-  operators such as native routed experts synchronise with the host, so they run eagerly).
+  captured once (after one eager step) in a CUDA graph and replayed per token when the model can
+  be captured: every parameter and buffer on CUDA, except that of a CPU token embedding (then the
+  step looks the token up on the CPU and feeds the graph `inputs_embeds`), and no module
+  declaring `supports_cuda_graph = False`. Native CPU experts take part through stream-ordered
+  host functions (`ktinject.native.hostfn`), so a hybrid model's step is one graph replay too.
   When capture is impossible or fails, decode runs eagerly and `GenerationResult.decode_mode`
   says why; nothing falls back silently.
 """
@@ -107,6 +109,13 @@ def _phase(name: str):
     return phase.use(name)
 
 
+def _host_embedding(model, device: torch.device) -> Optional[torch.nn.Module]:
+    """The input embedding when it lives off `device` (the graph then takes inputs_embeds)."""
+    emb = model.get_input_embeddings()
+    devs = {p.device for p in emb.parameters()}
+    return emb if devs and devs != {device} else None
+
+
 def _graph_blocker(model, device: torch.device) -> Optional[str]:
     """Why the decode step cannot be captured in a CUDA graph (None: it can)."""
     if device.type != "cuda":
@@ -114,10 +123,32 @@ def _graph_blocker(model, device: torch.device) -> Optional[str]:
     for name, mod in model.named_modules():
         if getattr(mod, "supports_cuda_graph", True) is False:
             return f"{name or type(mod).__name__} does not support CUDA graphs"
+    host_emb = _host_embedding(model, device)
+    skip = {id(t) for t in host_emb.parameters()} if host_emb is not None else set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.device.type != "cuda":
+        if t.device.type != "cuda" and id(t) not in skip:
             return f"{name} lives on {t.device}"
     return None
+
+
+def _wait_int(t: torch.Tensor) -> int:
+    """int(t), for a CUDA tensor waiting on a blocking event: a plain sync spins a core at 100%
+    for the whole step, a core the CPU experts' workers need."""
+    if t.device.type == "cuda":
+        ev = torch.cuda.Event(blocking=True)
+        ev.record()
+        ev.synchronize()
+    return int(t)
+
+
+def _raise_host_errors() -> None:
+    """Stream-ordered CPU experts report failures late (they run on the driver's thread)."""
+    try:
+        from .native import available, hostfn
+    except ImportError:
+        return
+    if available():
+        hostfn.raise_pending("generate")
 
 
 def _rewind(cache: Any, length: int) -> None:
@@ -150,14 +181,23 @@ class _Stepper:
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             self.kw["logits_to_keep"] = 1
         self.graph = None
+        self.embed = None                 # set by capture() when the token embedding is off the graph's GPU
 
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         return self.model(input_ids=ids, position_ids=pos, **self.kw).logits[:, -1]
 
-    def capture(self, pos: int) -> None:
-        self.ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.pos = torch.full((1, 1), pos, dtype=torch.long, device=self.device)
+    def capture(self, pos: int, device: torch.device) -> None:
+        """Capture the decode step on `device` (the GPU the logits come from)."""
+        self.embed = _host_embedding(self.model, device)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.pos = torch.full((1, 1), pos, dtype=torch.long, device=device)
+        if self.embed is not None:         # look up on the host, feed the graph embeddings
+            first = self.embed(self.ids.to(next(self.embed.parameters()).device))
+            self.embeds = torch.zeros(first.shape, dtype=first.dtype, device=device)
+            inputs = {"inputs_embeds": self.embeds}
+        else:
+            inputs = {"input_ids": self.ids}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # Warm-up with host synchronisation turned into an error: code that syncs (data-dependent
@@ -167,21 +207,25 @@ class _Stepper:
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.stream(side):
-                self.model(input_ids=self.ids, position_ids=self.pos, **self.kw)
+                self.model(**inputs, position_ids=self.pos, **self.kw)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.current_stream().wait_stream(side)
             _rewind(self.cache, pos)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = self.model(input_ids=self.ids, position_ids=self.pos, **self.kw).logits[:, -1]
+            self.logits = self.model(**inputs, position_ids=self.pos, **self.kw).logits[:, -1]
         _rewind(self.cache, pos)
         self.graph = graph
 
     def decode(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
         if self.graph is None:
             return self.forward(tok.view(1, 1), pos)
-        self.ids.copy_(tok.view(1, 1))
+        if self.embed is not None:
+            cpu_ids = tok.view(1, 1).to(next(self.embed.parameters()).device)
+            self.embeds.copy_(self.embed(cpu_ids))
+        else:
+            self.ids.copy_(tok.view(1, 1))
         self.pos.fill_(pos)
         self.graph.replay()
         return self.logits
@@ -251,7 +295,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     first = int(nxt)
     t1 = time.perf_counter()
 
-    blocker = "disabled" if cuda_graph == "off" else _graph_blocker(model, device)
+    blocker = "disabled" if cuda_graph == "off" else _graph_blocker(model, logits.device)
     mode = f"eager ({blocker})" if blocker else "cuda-graph"
     if blocker and cuda_graph == "require":
         raise RuntimeError(f"cuda_graph='require' but the decode step cannot be captured: {blocker}")
@@ -281,7 +325,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             # the first decode step runs eagerly (kernels compile, caches settle), then capture
             if mode == "cuda-graph" and stepper.graph is None and step >= 1:
                 try:
-                    stepper.capture(pos)
+                    stepper.capture(pos, logits.device)
                 except Exception as exc:     # report, then decode eagerly from a clean state
                     _rewind(cache, pos)
                     stepper.graph = None
@@ -292,7 +336,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             history = torch.cat([history, nxt.view(1)])
             logits = stepper.decode(nxt, pos)
             nxt = sample_next(logits[0], history, opts, gen)
-            tok = int(nxt)
+            tok = _wait_int(nxt)
+    _raise_host_errors()
     if len(text) > emitted:
         yield text[emitted:]
     t2 = time.perf_counter()

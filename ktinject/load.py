@@ -386,10 +386,9 @@ def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
     memo = attach_memo(model)
     count = 0
     for name, mod in model.named_modules():
-        if len(devices.get(name, ())) <= 1:
-            continue
-        for child_name, child in mod.named_children():
-            full = f"{name}.{child_name}" if name else child_name
+        if len(devices.get(name, ())) <= 1 or isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            continue                      # a container's members are hooked as its parent's children
+        for full, child in _called_children(mod, name):
             if isinstance(child, (Operator, PhaseDispatch)) or full not in own:
                 continue
             dev = _device(own[full])
@@ -397,6 +396,18 @@ def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
             count += 1
     log.debug("installed %d device hooks", count)
     return count
+
+
+def _called_children(mod: nn.Module, name: str):
+    """(full name, module) of the children the parent's forward calls: the members of a
+    ModuleList / ModuleDict (containers with no forward, whose hooks would never fire) stand for
+    the container itself."""
+    for child_name, child in mod.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _called_children(child, full)
+        else:
+            yield full, child
 
 
 def _make_hook(memo: TransferMemo, device: torch.device):

@@ -81,6 +81,35 @@ int ktk_moe_sync(ktk_moe *m, ktk_pool *p);
 int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
                     const int64_t *ids, const float *w, float *out);
 
+/* ---- stream-ordered jobs (hostjob.c): host functions of a CUDA stream, see that file ----
+ * `ktk_host_submit(job)` posts the layer to the pool and returns; `ktk_host_sync(job)` waits.
+ * They never fail loudly (they run on the driver's callback thread): a failed job zeroes `out`,
+ * sets `status`, and the first failure is kept for ktk_host_error (clear = 1 resets it). */
+typedef struct {
+    ktk_moe *moe;
+    ktk_pool *pool;
+    int isa;
+    int64_t T, k, hidden;
+    const float *x;                       /* [T, hidden] */
+    const int64_t *ids;                   /* [T, k] */
+    const float *w;                       /* [T, k] */
+    float *out;                           /* [T, hidden] */
+    int status;                           /* KTK_OK or the failed step's code */
+} ktk_host_job;
+void ktk_host_submit(void *job);
+void ktk_host_sync(void *job);
+int ktk_host_error(int clear);
+
+/* ---- pool trace (KTINJECT_POOL_TRACE=1 at pool creation): sums since the last read, then reset.
+ * out[0] jobs, out[1] us from post to the first worker starting, out[2] us to the last worker
+ * starting, out[3] us from post to done, out[4] us the caller spent in wait, out[5..7] us from
+ * post to the end of phases 0..2. Fills min(n, 8) values and returns that count (>= 5), or 0 when
+ * tracing is off. */
+int ktk_pool_trace(ktk_pool *p, double *out, int n);
+/* Pin the calling thread to the CPUs of the pool's affinity mask that no worker uses (the
+ * threads that drive a GPU then never take a worker's core); returns their count, 0 = none. */
+int ktk_pool_pin_outside(ktk_pool *p);
+
 /* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ---- */
 double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
 

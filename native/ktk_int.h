@@ -36,6 +36,26 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d;
 
 /* y = dot(row, x) over n values; xf: floats, xq: the activation record of the same values. */
 typedef float (*ktk_dot_fn)(const uint8_t *row, const float *xf, const ktk_q8 *xq, int64_t n);
+/* out[r] = dot(row + r * rs, x) for r < nrows (rows rs bytes apart): the decode kernel, which
+ * shares activation loads and scales between rows (same arguments as ktk_dot_fn otherwise).
+ * next: NULL, or the rows the caller reads after these, row for row (next + r * rs follows row r);
+ * the kernel prefetches them while it reads its own rows. Rows read side by side are best kept
+ * in different 4 KiB pages (rs >= 4 KiB, or rows that each continue a sequential stream): the
+ * hardware prefetchers follow several streams, but not several interleaved in one page. */
+typedef void (*ktk_dotn_fn)(const uint8_t *row, int64_t rs, int nrows, const float *xf, const ktk_q8 *xq, int64_t n,
+                            float *out, const uint8_t *next);
+static inline void ktk_prefetch(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+/* a ktk_dotn_fn that loops over a ktk_dot_fn (types without a multi-row kernel) */
+#define KTK_DOTN_LOOP(NAME, DOT, TYPE)                                                                       \
+    static void NAME(const uint8_t *row, int64_t rs, int nrows, const float *xf, const ktk_q8 *xq, int64_t n, \
+                     float *out, const uint8_t *next) {                                                     \
+        for (int r = 0; r < nrows; r++) {                                                                   \
+            if (next) ktk_prefetch(next + r * rs, ktk_row_bytes(TYPE, n));                                  \
+            out[r] = DOT(row + r * rs, xf, xq, n);                                                          \
+        }                                                                                                   \
+    }
 /* C[t*ldc + r] = dot(W[r], X[t]) for r < R, t < NT; W: [R, K] f32, X: NT pointers to K floats. */
 typedef void (*ktk_gemm_fn)(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
                             float *C, int64_t ldc);
@@ -43,6 +63,7 @@ typedef void (*ktk_gemm_fn)(const float *W, int64_t R, int64_t K, const float *c
 #define KTK_NTYPES 32
 typedef struct {
     ktk_dot_fn dot[KTK_NTYPES];
+    ktk_dotn_fn dotn[KTK_NTYPES];   /* set wherever dot is */
     void (*quant_act)(const float *x, ktk_q8 *q, int64_t n);   /* fills the activation record */
     ktk_gemm_fn gemm;
     void (*dequant)(int type, const uint8_t *src, float *dst, int64_t n);   /* one row */

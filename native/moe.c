@@ -11,20 +11,22 @@
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
  * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
- * tokens' Q8 activations straight on the GGUF blocks. An expert with more (prefill) takes the
- * grouped path: 32 weight rows are dequantized once into per-thread scratch and multiplied with
- * all of its tokens by the f32 GEMM micro-kernel, or by AMX-BF16 tiles on the AMX path. */
+ * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
+ * ($KTINJECT_MULTIROW=0: the one-row kernels). An expert with more (prefill) takes the grouped
+ * path: 32 weight rows are dequantized once into per-thread scratch and multiplied with all of
+ * its tokens by the f32 GEMM micro-kernel, or by AMX-BF16 tiles on the AMX path. */
 #include "ktk_int.h"
 #include <math.h>
 #include <stdlib.h>
 
 #define RC 32
+#define DG 4   /* rows per multi-row dot call on the decode path (divides RC / 2) */
 
 struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
     const ktk_kernels *K;
-    int amx, tile_min, busy, prefetch;
+    int amx, tile_min, busy, prefetch, multirow;
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -73,6 +75,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->tile_min = s ? atoi(s) : 4;
         s = getenv("KTINJECT_PREFETCH");
         m->prefetch = s ? atoi(s) : 1;
+        s = getenv("KTINJECT_MULTIROW");   /* 0: decode with the one-row dots (A/B of the kernels) */
+        m->multirow = s ? atoi(s) : 1;
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->pk_off || !m->tile) {
@@ -108,9 +112,7 @@ static scratch_t get_scratch(ktk_moe *m, int tid) {
     return r;
 }
 
-static inline void prefetch_row(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-}
+static inline void prefetch_row(const uint8_t *p, int64_t bytes) { ktk_prefetch(p, bytes); }
 
 /* C[j*RC + r] = row (r0 + r) of expert matrix . tokens j, on the grouped path. */
 static int grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
@@ -151,16 +153,35 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         }
         return;
     }
-    ktk_dot_fn dg = m->K->dot[d->gate_type], du = m->K->dot[d->up_type];
     size_t ab = ktk_act_bytes(H);
-    for (int r = 0; r < RC; r++, g += d->gate_rb, u += d->up_rb) {
-        if (m->prefetch && r + 1 < RC) { prefetch_row(g + d->gate_rb, d->gate_rb); prefetch_row(u + d->up_rb, d->up_rb); }
-        for (int64_t j = 0; j < n; j++) {
+    if (!m->multirow) {   /* one row at a time, each read once and dotted with every token */
+        ktk_dot_fn dg1 = m->K->dot[d->gate_type], du1 = m->K->dot[d->up_type];
+        for (int r = 0; r < RC; r++, g += d->gate_rb, u += d->up_rb) {
+            if (m->prefetch && r + 1 < RC) { prefetch_row(g + d->gate_rb, d->gate_rb); prefetch_row(u + d->up_rb, d->up_rb); }
+            for (int64_t j = 0; j < n; j++) {
+                int64_t t = m->tok[base + j];
+                const ktk_q8 *xa = (const ktk_q8 *)(m->xq + t * ab);
+                m->h[(base + j) * I + r0 + r] = silu(dg1(g, m->x + t * H, xa, H)) * du1(u, m->x + t * H, xa, H);
+            }
+        }
+        return;
+    }
+    /* DG rows of gate and of up per multi-row dot (shared activation loads), taken RC / DG rows
+     * apart: call p reads rows p, p + RC/DG, ..., so each of the DG rows continues the sequential
+     * stream of the previous call's and the hardware prefetchers follow them (rows side by side
+     * in one page defeat them); the kernels prefetch the next call's rows themselves. */
+    ktk_dotn_fn dg = m->K->dotn[d->gate_type], du = m->K->dotn[d->up_type];
+    const int S = RC / DG;
+    float gv[DG], uv[DG];
+    for (int p = 0; p < S; p++, g += d->gate_rb, u += d->up_rb) {
+        int pf = m->prefetch && p + 1 < S;
+        for (int64_t j = 0; j < n; j++, pf = 0) {
             int64_t t = m->tok[base + j];
             const ktk_q8 *xa = (const ktk_q8 *)(m->xq + t * ab);
-            float gv = dg(g, m->x + t * H, xa, H);
-            float uv = du(u, m->x + t * H, xa, H);
-            m->h[(base + j) * I + r0 + r] = silu(gv) * uv;
+            dg(g, S * d->gate_rb, DG, m->x + t * H, xa, H, gv, pf ? g + d->gate_rb : NULL);
+            du(u, S * d->up_rb, DG, m->x + t * H, xa, H, uv, pf ? u + d->up_rb : NULL);
+            float *hr = m->h + (base + j) * I + r0 + p;
+            for (int q = 0; q < DG; q++) hr[q * S] = silu(gv[q]) * uv[q];
         }
     }
 }
@@ -170,7 +191,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     int64_t H = d->hidden, I = d->inter, r0 = c * m->rcd, rc = m->rcd;
     size_t ab = ktk_act_bytes(I);
     for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
-    ktk_dot_fn dd = m->K->dot[d->down_type];
+    ktk_dotn_fn dd = m->K->dotn[d->down_type];
     scratch_t s = {0, 0, 0, 0};
     for (int64_t a = 0; a < m->nact; a++) {
         int64_t e = m->act[a], n = m->cnt[e], base = m->off[e];
@@ -186,11 +207,26 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             }
             continue;
         }
-        for (int r = 0; r < rc; r++, rows += d->down_rb) {
-            if (m->prefetch && r + 1 < rc) prefetch_row(rows + d->down_rb, d->down_rb);
-            for (int64_t j = 0; j < n; j++) {
+        if (!m->multirow) {
+            ktk_dot_fn dd1 = m->K->dot[d->down_type];
+            for (int r = 0; r < rc; r++, rows += d->down_rb) {
+                if (m->prefetch && r + 1 < rc) prefetch_row(rows + d->down_rb, d->down_rb);
+                for (int64_t j = 0; j < n; j++) {
+                    int64_t pos = base + j;
+                    m->out[m->tok[pos] * H + r0 + r] += m->wt[pos] * dd1(rows, m->hptr[pos], (const ktk_q8 *)(m->hq + pos * ab), I);
+                }
+            }
+            continue;
+        }
+        const int S = (int)(rc / DG);   /* as in phase_gate_up: DG rows S apart per call */
+        for (int p = 0; p < S; p++, rows += d->down_rb) {
+            int pf = m->prefetch && p + 1 < S;
+            for (int64_t j = 0; j < n; j++, pf = 0) {
                 int64_t pos = base + j;
-                m->out[m->tok[pos] * H + r0 + r] += m->wt[pos] * dd(rows, m->hptr[pos], (const ktk_q8 *)(m->hq + pos * ab), I);
+                float dv[DG], wv = m->wt[pos], *o = m->out + m->tok[pos] * H + r0 + p;
+                dd(rows, S * d->down_rb, DG, m->hptr[pos], (const ktk_q8 *)(m->hq + pos * ab), I, dv,
+                   pf ? rows + d->down_rb : NULL);
+                for (int q = 0; q < DG; q++) o[q * S] += wv * dv[q];
             }
         }
     }
@@ -224,7 +260,9 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     if (!K) return KTK_EISA;
     const ktk_moe_desc *d = &m->d;
     int64_t E = d->n_experts, H = d->hidden, I = d->inter, P = T * k;
-    if (!K->dot[d->gate_type] || !K->dot[d->up_type] || !K->dot[d->down_type]) return KTK_EINVAL;
+    if (!K->dot[d->gate_type] || !K->dot[d->up_type] || !K->dot[d->down_type] ||
+        !K->dotn[d->gate_type] || !K->dotn[d->up_type] || !K->dotn[d->down_type])
+        return KTK_EINVAL;
     for (int64_t i = 0; i < P; i++)
         if (ids[i] < 0 || ids[i] >= E) return KTK_ERANGE;
     if (T == 0) { m->T = 0; return KTK_OK; }
@@ -307,13 +345,16 @@ int ktk_gemv(int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t row
              const float *x, float *y) {
     const ktk_kernels *K = ktk_kernels_for(isa);
     if (!K) return KTK_EISA;
-    if (type < 0 || type >= KTK_NTYPES || !K->dot[type] || ktk_row_bytes(type, n) != row_bytes || rows < 0)
+    if (type < 0 || type >= KTK_NTYPES || !K->dotn[type] || ktk_row_bytes(type, n) != row_bytes || rows < 0)
         return KTK_EINVAL;
     int64_t nq = n - n % 32;   /* element types may have any n: their dots read x itself */
     ktk_q8 *xq = malloc(ktk_act_bytes(nq) + 64);
     if (!xq) return KTK_ENOMEM;
     K->quant_act(x, xq, nq);
-    for (int64_t r = 0; r < rows; r++) y[r] = K->dot[type](w + r * row_bytes, x, xq, n);
+    for (int64_t r = 0; r < rows; r += 1 << 20) {   /* the multi-row dot takes an int row count */
+        int nr = rows - r < (1 << 20) ? (int)(rows - r) : 1 << 20;
+        K->dotn[type](w + r * row_bytes, row_bytes, nr, x, xq, n, y + r, NULL);
+    }
     free(xq);
     return KTK_OK;
 }

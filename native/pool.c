@@ -29,6 +29,7 @@ struct ktk_pool {
     int n, numa;
     pthread_t *th;
     int *cpu;                           /* cpu of each worker, -1: not pinned */
+    int spare[64], nspare;              /* CPUs of the affinity mask no worker is pinned to (first 64) */
     _Atomic uint32_t gen, done, stop;
     _Atomic int sleepers;
     ktk_item_fn fn;
@@ -41,6 +42,11 @@ struct ktk_pool {
     void **scratch;
     size_t *scratch_size;
     long spin_ns;
+    /* trace (KTINJECT_POOL_TRACE): times of the current job, sums since the last read */
+    int trace;
+    long t_post, t_done, t_phase[MAX_PHASES];
+    _Atomic long t_first, t_last;
+    double tr[8];
 };
 
 struct worker_arg { ktk_pool *p; int tid; };
@@ -62,19 +68,29 @@ static long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
+static void trace_start(ktk_pool *p) {
+    long t = now_ns(), cur = 0;
+    atomic_compare_exchange_strong(&p->t_first, &cur, t);
+    cur = atomic_load(&p->t_last);
+    while (cur < t && !atomic_compare_exchange_weak(&p->t_last, &cur, t)) {}
+}
+
 static void run_job(ktk_pool *p, int tid) {
+    if (p->trace) trace_start(p);
     for (int ph = 0; ph < p->nphase; ph++) {
         int64_t i;
         while ((i = atomic_fetch_add_explicit(&p->next[ph], 1, memory_order_relaxed)) < p->items[ph])
             p->fn(p->ctx, ph, i, tid);
         if (ph + 1 < p->nphase) {
-            atomic_fetch_add_explicit(&p->arrived[ph], 1, memory_order_acq_rel);
+            if (atomic_fetch_add_explicit(&p->arrived[ph], 1, memory_order_acq_rel) == p->n - 1 && p->trace)
+                p->t_phase[ph] = now_ns();           /* the last to arrive ends the phase */
             long spins = 0;
             while (atomic_load_explicit(&p->arrived[ph], memory_order_acquire) < p->n)
                 if (++spins & 0x3ff) cpu_relax(); else sched_yield();
         }
     }
     if (atomic_fetch_add_explicit(&p->finished, 1, memory_order_acq_rel) == p->n - 1) {
+        if (p->trace) p->t_done = now_ns();
         atomic_store_explicit(&p->done, 1, memory_order_release);
         futex_wake(&p->done);
     }
@@ -85,6 +101,9 @@ static void *worker(void *arg) {
     ktk_pool *p = wa->p;
     int tid = wa->tid;
     free(wa);
+    char name[16];
+    snprintf(name, sizeof name, "ktk-worker-%d", tid);
+    pthread_setname_np(pthread_self(), name);        /* visible in top -H, /proc/<pid>/task */
     uint32_t seen = 0;
     for (;;) {
         uint32_t g = atomic_load_explicit(&p->gen, memory_order_acquire);
@@ -144,7 +163,11 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     p->scratch_size = calloc((size_t)nthreads, sizeof *p->scratch_size);
     const char *s = getenv("KTINJECT_SPIN_US");
     p->spin_ns = (s ? atol(s) : 1000) * 1000L;
+    s = getenv("KTINJECT_POOL_TRACE");
+    p->trace = s && *s && *s != '0';
     if (!p->th || !p->cpu || !p->scratch || !p->scratch_size) { ktk_pool_free(p); return NULL; }
+    if (pin && nthreads < ncpu)
+        for (int c = nthreads; c < ncpu && p->nspare < 64; c++) p->spare[p->nspare++] = cpus[c];
     for (int i = 0; i < nthreads; i++) {
         /* CPUs in affinity order: on several NUMA nodes the kernel numbers them node by node,
          * so consecutive workers (which take consecutive expert rows) share a node. */
@@ -205,6 +228,7 @@ int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const
     }
     atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    if (p->trace) { atomic_store(&p->t_first, 0); atomic_store(&p->t_last, 0); p->t_post = now_ns(); }
     p->busy = 1;
     atomic_fetch_add(&p->gen, 1);   /* seq_cst: ordered before the sleepers load */
     if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen);
@@ -225,5 +249,31 @@ int ktk_pool_wait(ktk_pool *p) {
     }
     while (!atomic_load_explicit(&p->done, memory_order_acquire)) futex_wait(&p->done, 0);
     p->busy = 0;
+    if (p->trace) {
+        long t1 = now_ns();
+        p->tr[0] += 1;
+        p->tr[1] += (atomic_load(&p->t_first) - p->t_post) / 1e3;
+        p->tr[2] += (atomic_load(&p->t_last) - p->t_post) / 1e3;
+        p->tr[3] += (p->t_done - p->t_post) / 1e3;
+        p->tr[4] += (t1 - t0) / 1e3;
+        for (int ph = 0; ph < 3; ph++)
+            p->tr[5 + ph] += ph + 1 < p->nphase ? (p->t_phase[ph] - p->t_post) / 1e3 : 0;
+    }
     return KTK_OK;
+}
+
+int ktk_pool_pin_outside(ktk_pool *p) {
+    if (!p || p->nspare == 0) return 0;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int i = 0; i < p->nspare; i++) CPU_SET(p->spare[i], &set);
+    return sched_setaffinity(0, sizeof set, &set) == 0 ? p->nspare : 0;   /* 0 = the calling thread */
+}
+
+int ktk_pool_trace(ktk_pool *p, double *out, int n) {
+    if (!p || !p->trace || !out || n < 5) return 0;
+    int m = n < 8 ? n : 8;
+    for (int i = 0; i < m; i++) { out[i] = p->tr[i]; p->tr[i] = 0; }
+    for (int i = m; i < 8; i++) p->tr[i] = 0;
+    return m;
 }

@@ -8,6 +8,12 @@ static inline __m256i doti_avx2(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #define DOTI doti_avx2
+/* two u8 x s8 pairs whose i16 pair sums may be added first (4/5-bit weights), one widening */
+#define DOTI2(u1, s1, u2, s2) _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16((u1), (s1)),      \
+                                                                 _mm256_maddubs_epi16((u2), (s2))),     \
+                                                _mm256_set1_epi16(1))
+/* acc (8 x i32) += sum of 2 adjacent i16 * i16 products */
+#define DOTW(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #include "quant_simd.inc"
 
 static inline __m256 bf16x8_avx2(const uint16_t *p) {
@@ -84,10 +90,17 @@ static uint64_t stream_avx2(const uint8_t *p, size_t n) {
     return (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 3);
 }
 
+KTK_DOTN_LOOP(dotn_f32_avx2, dot_f32_avx2, KTK_F32)
+KTK_DOTN_LOOP(dotn_f16_avx2, dot_f16_avx2, KTK_F16)
+KTK_DOTN_LOOP(dotn_bf16_avx2, dot_bf16_avx2, KTK_BF16)
+
 const ktk_kernels ktk_kernels_avx2 = {
     .dot = {[KTK_F32] = dot_f32_avx2, [KTK_F16] = dot_f16_avx2, [KTK_BF16] = dot_bf16_avx2,
             [KTK_Q4_0] = dot_q4_0_avx2, [KTK_Q5_0] = dot_q5_0_avx2, [KTK_Q8_0] = dot_q8_0_avx2, [KTK_Q4_K] = dot_q4_k_avx2,
             [KTK_Q5_K] = dot_q5_k_avx2, [KTK_Q6_K] = dot_q6_k_avx2},
+    .dotn = {[KTK_F32] = dotn_f32_avx2, [KTK_F16] = dotn_f16_avx2, [KTK_BF16] = dotn_bf16_avx2,
+             [KTK_Q4_0] = dotn_q4_0_avx2, [KTK_Q5_0] = dotn_q5_0_avx2, [KTK_Q8_0] = dotn_q8_0_avx2,
+             [KTK_Q4_K] = dotn_q4_k_avx2, [KTK_Q5_K] = dotn_q5_k_avx2, [KTK_Q6_K] = dotn_q6_k_avx2},
     .quant_act = quant_act_avx2,
     .gemm = gemm_avx2,
     .dequant = dequant_avx2,

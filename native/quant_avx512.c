@@ -6,6 +6,15 @@
 
 #define SFX(name) name##_avx512
 #define DOTI(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define DOTW(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))   /* acc += sum of 2 adjacent i16 * i16 */
+/* Q5_0 high bits through a mask register: byte i += 0x10 (= |= 0x10, bytes <= 0x0F) where bit i
+ * of the 32-bit mask at p is set; replaces the shuffle/compare expansion of quant_simd.inc. */
+#define KTK_HAVE_OR_X10_BITS
+static inline __attribute__((always_inline)) __m256i or_x10_bits_avx512(__m256i v, const uint8_t *p) {
+    uint32_t m;
+    memcpy(&m, p, 4);
+    return _mm256_mask_add_epi8(v, (__mmask32)m, v, _mm256_set1_epi8(0x10));
+}
 #include "quant_simd.inc"
 
 static inline __m512 bf16x16_avx512(const uint16_t *p) {
@@ -92,10 +101,17 @@ static uint64_t stream_avx512(const uint8_t *p, size_t n) {
     return (uint64_t)_mm512_reduce_add_epi64(a);
 }
 
+KTK_DOTN_LOOP(dotn_f32_avx512, dot_f32_avx512, KTK_F32)
+KTK_DOTN_LOOP(dotn_f16_avx512, dot_f16_avx512, KTK_F16)
+KTK_DOTN_LOOP(dotn_bf16_avx512, dot_bf16_avx512, KTK_BF16)
+
 const ktk_kernels ktk_kernels_avx512 = {
     .dot = {[KTK_F32] = dot_f32_avx512, [KTK_F16] = dot_f16_avx512, [KTK_BF16] = dot_bf16_avx512,
             [KTK_Q4_0] = dot_q4_0_avx512, [KTK_Q5_0] = dot_q5_0_avx512, [KTK_Q8_0] = dot_q8_0_avx512, [KTK_Q4_K] = dot_q4_k_avx512,
             [KTK_Q5_K] = dot_q5_k_avx512, [KTK_Q6_K] = dot_q6_k_avx512},
+    .dotn = {[KTK_F32] = dotn_f32_avx512, [KTK_F16] = dotn_f16_avx512, [KTK_BF16] = dotn_bf16_avx512,
+             [KTK_Q4_0] = dotn_q4_0_avx512, [KTK_Q5_0] = dotn_q5_0_avx512, [KTK_Q8_0] = dotn_q8_0_avx512,
+             [KTK_Q4_K] = dotn_q4_k_avx512, [KTK_Q5_K] = dotn_q5_k_avx512, [KTK_Q6_K] = dotn_q6_k_avx512},
     .quant_act = quant_act_avx512,
     .gemm = gemm_avx512,
     .dequant = dequant_avx512,

@@ -213,6 +213,16 @@ DOT_SCALAR(KTK_Q4_K, dot_q4_k_s)
 DOT_SCALAR(KTK_Q5_K, dot_q5_k_s)
 DOT_SCALAR(KTK_Q6_K, dot_q6_k_s)
 
+KTK_DOTN_LOOP(dotn_f32_s, dot_f32_s, KTK_F32)
+KTK_DOTN_LOOP(dotn_f16_s, dot_f16_s, KTK_F16)
+KTK_DOTN_LOOP(dotn_bf16_s, dot_bf16_s, KTK_BF16)
+KTK_DOTN_LOOP(dotn_q4_0_s, dot_q4_0_s, KTK_Q4_0)
+KTK_DOTN_LOOP(dotn_q5_0_s, dot_q5_0_s, KTK_Q5_0)
+KTK_DOTN_LOOP(dotn_q8_0_s, dot_q8_0_s, KTK_Q8_0)
+KTK_DOTN_LOOP(dotn_q4_k_s, dot_q4_k_s, KTK_Q4_K)
+KTK_DOTN_LOOP(dotn_q5_k_s, dot_q5_k_s, KTK_Q5_K)
+KTK_DOTN_LOOP(dotn_q6_k_s, dot_q6_k_s, KTK_Q6_K)
+
 static void gemm_scalar(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
                         float *C, int64_t ldc) {
     for (int64_t t = 0; t < NT; t++)
@@ -242,6 +252,9 @@ const ktk_kernels ktk_kernels_scalar = {
     .dot = {[KTK_F32] = dot_f32_s, [KTK_F16] = dot_f16_s, [KTK_BF16] = dot_bf16_s,
             [KTK_Q4_0] = dot_q4_0_s, [KTK_Q5_0] = dot_q5_0_s, [KTK_Q8_0] = dot_q8_0_s, [KTK_Q4_K] = dot_q4_k_s,
             [KTK_Q5_K] = dot_q5_k_s, [KTK_Q6_K] = dot_q6_k_s},
+    .dotn = {[KTK_F32] = dotn_f32_s, [KTK_F16] = dotn_f16_s, [KTK_BF16] = dotn_bf16_s,
+             [KTK_Q4_0] = dotn_q4_0_s, [KTK_Q5_0] = dotn_q5_0_s, [KTK_Q8_0] = dotn_q8_0_s, [KTK_Q4_K] = dotn_q4_k_s,
+             [KTK_Q5_K] = dotn_q5_k_s, [KTK_Q6_K] = dotn_q6_k_s},
     .quant_act = ktk_quant_act_scalar,
     .gemm = gemm_scalar,
     .dequant = dequant_scalar,

@@ -73,6 +73,20 @@ int main(void) {
                 if (!(feats >> isa & 1)) continue;
                 ktk_gemv(isa, t, g, rbh, I, H, x, y1);
                 double eg = rel(y1, y0, I);
+                {   /* multi-row dots: any start and row count (short passes) give the values of the
+                     * whole-matrix call, bitwise; the last expert's rows end the buffer (no overread) */
+                    const int sub[][2] = {{0, 1}, {1, 2}, {2, 3}, {3, 5}, {5, 7}, {9, 6}, {I - 3, 3}, {I - 1, 1}};
+                    const uint8_t *gl = g + (E - 1) * I * rbh;
+                    float yl[512], ys[8];
+                    ktk_gemv(isa, t, gl, rbh, I, H, x, yl);
+                    for (size_t si = 0; si < sizeof sub / sizeof *sub; si++) {
+                        int o = sub[si][0], c = sub[si][1];
+                        if (ktk_gemv(isa, t, gl + o * rbh, rbh, c, H, x, ys) || memcmp(ys, yl + o, (size_t)c * sizeof(float))) {
+                            fprintf(stderr, "MISMATCH type %d isa %d: rows %d..%d alone differ\n", t, isa, o, o + c - 1);
+                            fails++;
+                        }
+                    }
+                }
                 int rc = ktk_moe_forward(m, pool, isa, T, k, x, ids, w, out);
                 double em = rel(out, ref, T * H);
                 printf("type %2d isa %d T %2d gemv %.4f moe %.4f\n", t, isa, T, eg, em);

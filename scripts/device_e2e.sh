@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [v2lite] [prefill] [qwen3] [layer]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [convert]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -13,8 +13,8 @@ steps=" ${*:-tests v2lite} "
 python3 -m ktinject.native.build 2>&1 | tail -2
 python3 -m ktinject doctor 2>&1 | tee "$OUT/doctor.txt"
 if [[ $steps == *" gputests "* ]]; then   # only the tests changed since the last full run
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_load_devices.py tests/test_mla_attention.py \
-    2>&1 | tail -5
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_load_devices.py tests/test_hostjob.py \
+    tests/test_overlays.py tests/test_gpu_experts.py tests/test_generate_engine.py ${GPU_TESTS:-} 2>&1 | tee "$OUT/gputests.log" | tail -15
 fi
 if [[ $steps == *" tests "* ]]; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::FutureWarning --continue-on-collection-errors tests \
@@ -32,10 +32,20 @@ bench() {   # name arch rules [extra bench args]
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --decode-tokens 32
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
-if [[ $steps == *" profile "* ]]; then   # one hybrid decode step, broken down
-  [ -f /tmp/v2l6.gguf ] || python3 -m ktinject synth --arch deepseek-v2-lite --layers 6 --recipe q4_k_m --no-progress \
-    /tmp/v2l6.gguf 2>&1 | tail -1
-  timeout 150 python3 scripts/profile_decode.py /tmp/v2l6.gguf 2>&1 | tee "$OUT/profile_decode.txt" | tail -45
+if [[ $steps == *" profile "* ]]; then   # the hybrid decode step, broken down (full V2-Lite shape)
+  [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
+  for th in ${PROFILE_THREADS:-16}; do
+    KTINJECT_THREADS=$th timeout 240 python3 scripts/profile_decode.py /tmp/v2lite.gguf ${PROFILE_ARGS:-} 2>&1 \
+      | tee "$OUT/profile_decode_$th.txt" | grep -v Warning | tail -8
+  done
+fi
+if [[ $steps == *" convert "* ]]; then   # ktinject convert of a full-size random HF directory (16B parameters)
+  rm -f /tmp/qwen3.gguf
+  timeout 200 python3 scripts/make_hf_dir.py deepseek-v2-lite /tmp/v2lite-hf 2>&1 | tail -1 | tee "$OUT/convert.txt"
+  ( time timeout 400 python3 -m ktinject convert /tmp/v2lite-hf /tmp/v2lite-conv.gguf --preset q4_k_m --no-progress ) \
+    2>&1 | grep -v -i tokenizer | tail -5 | tee -a "$OUT/convert.txt"
+  rm -rf /tmp/v2lite-hf /tmp/v2lite-conv.gguf
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
   timeout 120 python3 -c "from ktinject.operators.streamed_experts import bench_layer as b; [print(r) for r in b()]" \

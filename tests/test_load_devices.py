@@ -26,6 +26,17 @@ def test_hooks_only_where_a_parent_spans_devices():
     assert "model.layers.1.self_attn.q_proj" not in hooked and "model.layers.0.mlp.gate_proj" not in hooked
 
 
+def test_layers_all_on_one_device_still_receive_the_cpu_embedding():
+    """'-gpu' overlays: every layer on the GPU, the embedding on the CPU. The layers' ModuleList
+    has no forward (a hook there never fires), so each layer carries the hook."""
+    model = build_tiny("deepseek_v2")
+    p = plan(model, "deepseek-v2-gpu")
+    install_device_hooks(model, p)
+    hooked = _hooked(model)
+    assert {"model.layers.0", "model.layers.1", "model.embed_tokens", "model.norm"} <= hooked
+    assert "model.layers" not in hooked
+
+
 def test_no_hooks_for_single_device_plans():
     model = build_tiny("mixtral")
     assert install_device_hooks(model, plan(model, "mixtral-cpu")) == 0 and not _hooked(model)
@@ -49,18 +60,26 @@ def test_hybrid_pack_on_gpu_matches_reference(family, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["deepseek_v2", "qwen2_moe"])
-def test_generate_with_hybrid_pack(family, tmp_path):
-    """Embedding on the CPU, lm_head on the GPU: the engine's cached greedy decode equals greedy
-    decoding by full recomputation of the same loaded model (float32, so no near-tie flips)."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_hybrid_pack(family, tmp_path, monkeypatch):
+    """Embedding on the CPU, lm_head on the GPU, routed experts on the CPU: the engine's greedy
+    decode, one CUDA graph replay per token (CPU experts through stream-ordered host functions,
+    the embedding looked up on the host), equals greedy decoding by full recomputation of the
+    same loaded model (float32, so no near-tie flips); so does the eager, Python-driven path."""
     from ktinject import generate, optimize_and_load
     d = save_tiny(family, tmp_path / family)
     model, tok = optimize_and_load(d, family.replace("_", "-"), dtype="float32")
     prompt = tok("The memory bandwidth", return_tensors="pt")["input_ids"][0].tolist()
-    res = generate(model, tok, prompt, max_new_tokens=8)
+    res = generate(model, tok, prompt, max_new_tokens=10)
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(len(res.token_ids)):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     assert res.token_ids == seq[len(prompt):] and len(res.token_ids) > 0
-    assert res.decode_mode.startswith("eager")          # CPU experts: no CUDA graph, and it says so
+    assert res.decode_mode == "cuda-graph", res.decode_mode
+    eager = generate(model, tok, prompt, max_new_tokens=10, cuda_graph="off")     # stream-ordered, no graph
+    assert eager.token_ids == res.token_ids
+    monkeypatch.setenv("KTINJECT_STREAM_ORDERED", "0")                             # Python-driven CPU experts
+    old = generate(model, tok, prompt, max_new_tokens=10)
+    assert old.token_ids == res.token_ids
+    assert old.decode_mode.startswith("eager") and "does not support CUDA graphs" in old.decode_mode

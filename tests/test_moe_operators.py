@@ -129,7 +129,8 @@ def test_options_validate():
     with pytest.raises(ValueError, match="quant"):
         Op.Options(quant="q3_k")
     with pytest.raises(ValueError, match="threads"):
-        Op.Options(threads=-2)
+        Op.Options(threads=1.5)
+    assert Op.Options(threads=-1).threads == -1          # all CPUs but one
     with pytest.raises(ValueError, match="isa"):
         Op.Options(isa="neon")
     model, block = first_moe_block("qwen3_moe")

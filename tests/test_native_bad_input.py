@@ -81,14 +81,18 @@ def test_shape_disagreement_and_unsupported_type():
         native.ExpertMatrix(int(QT.Q2_K), g, E, I, H, "x").validate()
 
 
-def test_gemv_checks():
+def test_gemv_checks(monkeypatch):
     w = rand_rows(QT.Q4_K, 4, 256)
     with pytest.raises(NativeError, match="x: expected"):
         native.gemv(int(QT.Q4_K), w, 256, torch.randn(255))
     with pytest.raises(NativeError, match="rows of"):
         native.gemv(int(QT.Q4_K), w[:, :100].contiguous(), 256, torch.randn(256))
     with pytest.raises(KtInjectError):
-        native.Pool(-1)
+        native.Pool(100000)                       # more workers than the pool allows
+    assert native.resolve_threads(-1) == max(1, native.cpu_count() - 1)   # all CPUs but one
+    monkeypatch.setenv("KTINJECT_THREADS", "two")
+    with pytest.raises(KtInjectError, match="KTINJECT_THREADS"):
+        native.resolve_threads(0)
 
 
 def test_missing_extension_is_reported(tmp_path):

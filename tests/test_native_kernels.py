@@ -54,6 +54,22 @@ def test_gemv(isa, qt):
     assert rel_err(y, ref.float()) < _gemv_tol(isa, qt), (isa, qt.name)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", QUANTS, ids=lambda q: q.name)
+def test_gemv_row_subsets(isa, qt):
+    """The multi-row dots (passes of several rows sharing the activation loads, a short last pass):
+    any start and row count give the values of the whole-matrix call bit for bit, which match the
+    reference."""
+    n = 512
+    w = rand_rows(qt, 13, n, seed=7)
+    x = torch.randn(n)
+    full = native.gemv(int(qt), w, n, x, isa)
+    assert rel_err(full, (dequant(qt, w, n).double() @ x.double()).float()) < _gemv_tol(isa, qt), (isa, qt.name)
+    for start, count in ((0, 1), (1, 2), (2, 3), (3, 5), (4, 9), (12, 1)):
+        part = native.gemv(int(qt), w[start:start + count].contiguous(), n, x, isa)
+        assert torch.equal(part, full[start:start + count]), (isa, qt.name, start, count)
+
+
 @functools.lru_cache(maxsize=None)
 def _moe_case(qt, dqt, E=8, H=256, I=512, seed=0):
     g, u, d = rand_rows(qt, E * I, H, seed + 1), rand_rows(qt, E * I, H, seed + 2), rand_rows(dqt, E * H, I, seed + 3)
@@ -95,6 +111,25 @@ def test_moe_kernel(isa, qt, T, grouped, monkeypatch):
     out = kern(x, ids, w)
     assert out.shape == (T, 256) and torch.isfinite(out).all()
     assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, grouped), (isa, qt.name, T)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.BF16], ids=lambda q: q.name)
+def test_moe_decode_one_row_kernels(isa, qt, monkeypatch):
+    """$KTINJECT_MULTIROW=0 (the one-row kernels on the decode path, kept for A/B runs) agrees with
+    the multi-row default and with the reference."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "100000")
+    (gate, up, down), (G, U, D) = _moe_case(qt, qt)
+    x = torch.randn(5, 256)
+    ids, w = _routing(5, 8, 2, seed=9)
+    multi = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
+    monkeypatch.setenv("KTINJECT_MULTIROW", "0")
+    one = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
+    ref = ref_moe(x, ids, w, G, U, D)
+    tol = _moe_tol(isa, qt, False)
+    assert rel_err(one, ref) < tol and rel_err(multi, ref) < tol, (isa, qt.name)
+    if isa == "scalar":   # same one-row dots underneath
+        assert torch.allclose(one, multi, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -140,12 +140,11 @@ def describe() -> dict:
 
 
 class Pool:
-    """A persistent pool of `threads` pinned workers (0: one per CPU of the affinity mask)."""
+    """A persistent pool of pinned workers; `threads` as in `resolve_threads`."""
 
     def __init__(self, threads: int = 0, pin: bool = True):
         lib, ffi = load()
-        if threads < 0:
-            raise NativeError(f"threads must be >= 0, got {threads}")
+        threads = resolve_threads(threads)
         ptr = lib.ktk_pool_new(int(threads), int(bool(pin)))
         if ptr == ffi.NULL:
             raise NativeError(f"could not start a pool of {threads} threads")
@@ -161,9 +160,26 @@ class Pool:
 _pools: dict[int, Pool] = {}
 
 
+ENV_THREADS = "KTINJECT_THREADS"
+
+
+def resolve_threads(threads: int = 0) -> int:
+    """Worker count: n > 0 as given; 0 = $KTINJECT_THREADS if set, else every CPU of the affinity
+    mask; n < 0 = every CPU but |n| (leaves cores to the threads that drive a GPU)."""
+    threads = int(threads or 0)
+    if threads == 0 and os.environ.get(ENV_THREADS, "").strip():
+        try:
+            threads = int(os.environ[ENV_THREADS])
+        except ValueError:
+            raise NativeError(f"{ENV_THREADS}={os.environ[ENV_THREADS]!r} is not an integer") from None
+    if threads > 0:
+        return threads
+    return max(1, cpu_count() + threads)
+
+
 def default_pool(threads: int = 0) -> Pool:
-    """One shared pool per thread count (layers of a model share workers)."""
-    threads = int(threads) if threads and threads > 0 else cpu_count()
+    """One shared pool per thread count (layers of a model share workers); see resolve_threads."""
+    threads = resolve_threads(threads)
     with _lock:
         if threads not in _pools:
             _pools[threads] = Pool(threads)

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
 MODULE = "ktinject.native._ktkernels"
-SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c")
+SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c", "hostjob.c")
 CFLAGS = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unused-function"]
 
 CDEF = """
@@ -56,6 +56,22 @@ int ktk_moe_sync(ktk_moe *m, ktk_pool *p);
 int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
                     const int64_t *ids, const float *w, float *out);
 double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
+typedef struct {
+    ktk_moe *moe;
+    ktk_pool *pool;
+    int isa;
+    int64_t T, k, hidden;
+    const float *x;
+    const int64_t *ids;
+    const float *w;
+    float *out;
+    int status;
+} ktk_host_job;
+void ktk_host_submit(void *job);
+void ktk_host_sync(void *job);
+int ktk_host_error(int clear);
+int ktk_pool_trace(ktk_pool *p, double *out, int n);
+int ktk_pool_pin_outside(ktk_pool *p);
 """
 
 

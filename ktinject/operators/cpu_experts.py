@@ -6,6 +6,13 @@ on another device (CUDA): they are copied to the CPU and the result goes back th
 offers `submit(...)` (returns at once) and `sync() -> Tensor`, which the `moe` operator uses to
 overlap the CPU experts with GPU work.
 
+Inputs on a CUDA device with at most `stream_max_tokens` tokens (decode) take the
+stream-ordered path (`ktinject.native.hostfn`): the CUDA stream itself copies the inputs to
+pinned buffers, starts the CPU layer and, after the work queued in between (the shared experts),
+waits for it and copies the result back, through host-function nodes. Python never blocks on
+the GPU, and a CUDA graph can capture the whole decode step. Larger batches (prefill) copy and
+wait from Python, which costs nothing next to their compute.
+
 Weights: GGUF experts stay as they are (memory-mapped GGML blocks, zero copy): gate and up
 arrive as a `FusedTensor((gate [E, I, H], up [E, I, H]), dim=1)`, down as `[E, H, I]`. Dense
 weights (safetensors) are converted once at load to `quant` (bf16 by default; q8_0, q4_0,
@@ -40,16 +47,20 @@ EXPERT_CLASSES = (*FUSED_EXPERT_CLASSES, "DeepseekV3NaiveMoe")
 
 @dataclass(frozen=True)
 class CpuExpertsOptions:
-    threads: int = 0                     # worker threads (0: one per CPU of the affinity mask)
+    threads: int = 0                     # workers: 0 all CPUs ($KTINJECT_THREADS), -n all but n, n
     quant: str = "bf16"                  # storage for dense (safetensors) weights
     isa: Optional[str] = None            # force an ISA path (default: best, or $KTINJECT_ISA)
     convert_unsupported: bool = False    # convert GGML types the kernels lack to `quant` (else error)
+    stream_ordered: bool = True          # CUDA inputs of <= stream_max_tokens: stream-driven (graph-capturable)
+    stream_max_tokens: int = 16
 
     def __post_init__(self):
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.quant not in CONVERT_BITS:
             raise ValueError(f"quant {self.quant!r} is not one of {', '.join(CONVERT_BITS)}")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool):
+            raise ValueError(f"threads must be an integer (0: all CPUs, -n: all but n), got {self.threads!r}")
+        if self.stream_max_tokens < 1:
+            raise ValueError(f"stream_max_tokens must be >= 1, got {self.stream_max_tokens}")
         if self.isa is not None and self.isa not in ISAS:
             raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISAS)}")
 
@@ -80,6 +91,12 @@ def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor
     return NATIVE_TYPES[quant], data.reshape(rows, -1).contiguous()
 
 
+def _env_off() -> bool:
+    """KTINJECT_STREAM_ORDERED=0 turns the stream-ordered path off (A/B measurements)."""
+    import os
+    return os.environ.get("KTINJECT_STREAM_ORDERED", "1").strip() in ("0", "false", "no", "off")
+
+
 @register("cpu_experts")
 class CpuExperts(Operator):
     Options = CpuExpertsOptions
@@ -94,6 +111,7 @@ class CpuExperts(Operator):
         self.kernel = None
         self._loaded_prefix: Optional[str] = None
         self._pending = None
+        self._jobs: dict = {}                 # (device, T, k) -> hostfn.HostJob
 
     @classmethod
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
@@ -183,14 +201,61 @@ class CpuExperts(Operator):
     def _inputs(self, hidden_states, top_k_index, top_k_weights):
         if self.kernel is None:
             raise NativeError(f"{self.name or 'cpu_experts'}: weights are not loaded")
-        # hidden: [T, H] -> f32 CPU; ids: [T, k] -> i64 CPU; weights: [T, k] -> f32 CPU
-        x = hidden_states.detach().to("cpu", torch.float32).contiguous()
-        ids = top_k_index.detach().to("cpu", torch.int64).contiguous()
-        w = top_k_weights.detach().to("cpu", torch.float32).contiguous()
+        # hidden: [T, H] -> f32 CPU; ids: [T, k] -> i64 CPU; weights: [T, k] -> f32 CPU. Dtypes are
+        # converted where the tensors are (the GPU) and only then copied: a conversion on the CPU is
+        # a torch parallel op whose OpenMP threads then spin against the native pool's workers.
+        x = hidden_states.detach().to(torch.float32).to("cpu").contiguous()
+        ids = top_k_index.detach().to(torch.int64).to("cpu").contiguous()
+        w = top_k_weights.detach().to(torch.float32).to("cpu").contiguous()
         return x, ids, w
+
+    # ---------------------------------------------------------------- stream-ordered path
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        """Decode (CUDA inputs of few tokens) is captured through host-function nodes when the
+        stream-ordered path is usable; the generation engine asks before capturing."""
+        return self._stream_ordered_usable()
+
+    def _stream_ordered_usable(self) -> bool:
+        if not self.options.stream_ordered or _env_off():
+            return False
+        from ..native import hostfn
+        return hostfn.available()
+
+    def _stream_job(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+        """The HostJob for these inputs, or None when they take the Python-driven path."""
+        if hidden_states.device.type != "cuda" or hidden_states.dim() != 2:
+            return None
+        T, k = hidden_states.shape[0], top_k_index.shape[-1]
+        if not 0 < T <= self.options.stream_max_tokens or not self._stream_ordered_usable():
+            return None
+        key = (hidden_states.device, T, k)
+        job = self._jobs.get(key)
+        if job is None:
+            from ..native import hostfn
+            job = self._jobs[key] = hostfn.HostJob(self.kernel, T, k, hidden_states.device)
+        return job
 
     def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         """Start the routed experts on the CPU pool and return at once (see `sync`)."""
+        if self._pending is not None:
+            raise NativeError(f"{self.name or 'cpu_experts'}: submit() twice without sync()")
+        if self.kernel is None:
+            raise NativeError(f"{self.name or 'cpu_experts'}: weights are not loaded")
+        job = self._stream_job(hidden_states, top_k_index)
+        if job is not None:
+            from ..native import hostfn
+            hostfn.raise_pending(self.name)
+            if hidden_states.shape[-1] != self.hidden or top_k_weights.shape != top_k_index.shape:
+                raise NativeError(f"{self.name or 'cpu_experts'}: hidden_states {list(hidden_states.shape)}, "
+                                  f"top_k_index {list(top_k_index.shape)} and top_k_weights "
+                                  f"{list(top_k_weights.shape)} do not fit [T, {self.hidden}], [T, k], [T, k]")
+            job.submit(hidden_states.detach().to(torch.float32).contiguous(),
+                       top_k_index.detach().to(torch.int64).contiguous(),
+                       top_k_weights.detach().to(torch.float32).contiguous())
+            self._pending = (job, hidden_states.dtype)
+            return
         x, ids, w = self._inputs(hidden_states, top_k_index, top_k_weights)
         self.kernel.submit(x, ids, w)
         self._pending = (hidden_states.device, hidden_states.dtype)
@@ -199,10 +264,16 @@ class CpuExperts(Operator):
         """Wait for the submitted work; the result [T, H] on the caller's device and dtype."""
         if self._pending is None:
             raise NativeError(f"{self.name or 'cpu_experts'}: sync() without submit()")
-        device, dtype = self._pending
+        where, dtype = self._pending
         self._pending = None
+        if not isinstance(where, torch.device):          # a HostJob: recorded on the stream
+            out = where.sync()
+            # a fresh tensor: the job's buffer is overwritten by the layer's next call
+            return out.to(dtype) if dtype != torch.float32 else out.clone()
         out = self.kernel.sync()
-        return out.to(device=device, dtype=dtype, non_blocking=device.type == "cuda")
+        if where.type == "cpu":
+            return out.to(dtype)
+        return out.to(device=where, non_blocking=True).to(dtype)      # copy, then convert on the device
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

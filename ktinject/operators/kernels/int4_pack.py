@@ -9,6 +9,14 @@ and `W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]`.  One affine form 
 min-max requantization of dense weights (any G; G = K is per-channel) and the exact repack of
 GGUF Q4_0 (`d * (q - 8)`: scale d, min -8d) and Q4_K (`d*sc*q - dmin*m` per 32 values) blocks,
 whose sub-blocks are 32 wide, so those convert with G = 32 and only fp16 rounding of the scales.
+
+The GPU decode kernel reads the same values in a *tiled* layout (`Int4Tiled`, made at load by
+`tile()`, undone by `untile()`): K is padded with zeros to a multiple of 8P (P = `pack`, 16 or
+32 words) and cut into tiles of 8P inputs; word `j` (0..P-1) of tile `t` holds, in nibble `i`,
+input `k = 8P t + P i + j`. So one `[rows, P]` block of words read with 16-byte loads unpacks,
+nibble by nibble, into 8 blocks of P *consecutive* inputs, each matched by one contiguous slice
+of x and (as P divides G) by one scale group. Scales and mins are stored transposed,
+`[NG, N]`, so the kernel loads a group's values for a block of rows as one coalesced vector.
 """
 from __future__ import annotations
 
@@ -36,6 +44,29 @@ class Int4Weight:
 
     def to(self, device) -> "Int4Weight":
         return Int4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
+
+
+@dataclass
+class Int4Tiled:
+    """`Int4Weight` in the GPU decode layout (see the module doc)."""
+    qweight: torch.Tensor    # int32 [N, Kp/8], Kp = K rounded up to a multiple of 8 * pack
+    scales: torch.Tensor     # fp16  [NG, N]
+    mins: torch.Tensor       # fp16  [NG, N]
+    group_size: int          # G (== K for per-channel)
+    in_features: int         # K
+    pack: int                # P: words per tile
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.qweight.shape[0]), self.in_features
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.qweight.shape[1]) // self.pack
+
+    def to(self, device) -> "Int4Tiled":
+        return Int4Tiled(self.qweight.to(device), self.scales.to(device), self.mins.to(device), self.group_size,
+                         self.in_features, self.pack)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -133,3 +164,37 @@ def from_q4_k(raw: torch.Tensor, n: int, k: int, name: str = "") -> Int4Weight:
     scales = (d * sc).reshape(n, k // 32).to(torch.float16)
     mins = (-dmin * mn).reshape(n, k // 32).to(torch.float16)
     return Int4Weight(pack_nibbles(q), scales, mins, 32)
+
+
+# ---- tiled layout ---------------------------------------------------------------------------------
+_ROW_CHUNK = 2048      # rows converted at once (bounds the int64 temporaries of pack_nibbles)
+
+
+def tile(w: Int4Weight, pack: int = 16) -> Int4Tiled:
+    """Repack to the tiled decode layout (same values; exact). `pack` must divide the group size."""
+    n, k = w.shape
+    if pack < 8 or pack & (pack - 1):
+        raise ValueError(f"pack must be a power of two >= 8, got {pack}")
+    if w.group_size < k and w.group_size % pack:
+        raise ValueError(f"pack {pack} must divide the group size {w.group_size}")
+    span = 8 * pack
+    kp = -(-k // span) * span
+    out = torch.empty((n, kp // 8), dtype=torch.int32, device=w.qweight.device)
+    for r in range(0, n, _ROW_CHUNK):
+        q = unpack_nibbles(w.qweight[r:r + _ROW_CHUNK])                        # [n', K] uint8
+        q = torch.nn.functional.pad(q, (0, kp - k))                             # [n', Kp]
+        q = q.view(-1, kp // span, 8, pack).transpose(2, 3).reshape(-1, kp)     # word-major: [t, j, i]
+        out[r:r + _ROW_CHUNK] = pack_nibbles(q)
+    return Int4Tiled(out, w.scales.t().contiguous(), w.mins.t().contiguous(), w.group_size, k, pack)
+
+
+def untile(t: Int4Tiled) -> Int4Weight:
+    """The standard layout back (exact)."""
+    n, k, p = int(t.qweight.shape[0]), t.in_features, t.pack
+    kp = int(t.qweight.shape[1]) * 8
+    out = torch.empty((n, k // 8), dtype=torch.int32, device=t.qweight.device)
+    for r in range(0, n, _ROW_CHUNK):
+        q = unpack_nibbles(t.qweight[r:r + _ROW_CHUNK])                        # [n', Kp] as [t, j, i]
+        q = q.view(-1, kp // (8 * p), p, 8).transpose(2, 3).reshape(-1, kp)[:, :k]
+        out[r:r + _ROW_CHUNK] = pack_nibbles(q.contiguous())
+    return Int4Weight(out, t.scales.t().contiguous(), t.mins.t().contiguous(), t.group_size)

@@ -1,6 +1,13 @@
-"""Triton split-K GEMV for the 4-bit format of `int4_pack` (decode batch sizes, M <= 16).
+"""Triton kernels for the 4-bit format of `int4_pack`.
 
-One program owns BLOCK_N output rows of W and one K slice. Per step it loads a
+* `int4_gemv_tiled` / `int4_dequantize_tiled` (second half of this file): the decode GEMV of
+  `linear_int4` and its prefill dequantize, on the tiled layout `int4_pack.Int4Tiled`, with launch
+  configs by shape class (`tiled_config`).
+* `int4_gemv` / `int4_expert_gemv` / `int4_dequantize` (first half): the older split-K GEMV on the
+  plain `[N, K/8]` layout, still used by `gpu_experts` (per-slot expert GEMV over stacked experts)
+  and by a `linear_int4` moved to CUDA after loading on the CPU.
+
+Older GEMV, plain layout. One program owns BLOCK_N output rows of W and one K slice. Per step it loads a
 `[BLOCK_N, BLOCK_KW]` tile of packed int32 words (contiguous along K: 16-byte vector loads) and
 handles the 8 nibbles of every word as 8 separate `[BLOCK_N, BLOCK_KW]` tensors matched with
 8 strided views of x, so no reshape or layout shuffle is ever needed (the dot product does not
@@ -238,3 +245,504 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     _dequant_kernel()[grid](qweight, scales, mins, out, n, k, scales.shape[1], G=group_size,
                             BLOCK_N=32, BLOCK_K=256, num_warps=4)
     return out
+
+
+# ==== tiled GEMV: the decode kernel of linear_int4 ===================================================
+#
+# Weight layout `int4_pack.Int4Tiled` (made at load): tiles of 8P inputs, word j of a tile holds input
+# P*i + j in nibble i, scales/mins transposed to [NG, N]. One program owns BLOCK_N rows and a run of
+# tiles (a K slice); per tile it loads a [BLOCK_N, P] block of words (16-byte loads, each row's P words
+# contiguous), the scale/min vectors of the tile's group(s) once, and for nibble i the contiguous slice
+# x[8P t + P i : 8P t + P (i + 1)]. No reshape or layout shuffle anywhere.
+#
+# Nibble to float: the two nibbles of byte a are shifted to bits 15..22 (one shift per two nibbles)
+# and each is or-ed under the exponent of 1.0: f = 1 + q/256 (even nibble) or 1 + q/16 (odd), so
+# q = 256 (f - 1) or 16 (f - 1) exactly, with no int-to-float conversion.
+#
+# Modes (`TiledConfig.mode`):
+# * "fma" (M <= 4), per group: t = sum_i f_i * (C_i x_i) (C_i = 256 or 16 applied to x, shared by all
+#   rows), acc += s * t per element; per row cor += m * sum(x) - s * sum(C x) (one cross-thread sum per
+#   group and tile, not per row). Per weight: half a shift, one lop3, one FMA, plus the per-tile x work
+#   shared by the rows a thread holds: 3.5 SASS instructions per weight at block_n 256 / 4 warps
+#   (sm_90, counted in the compiled loop). Past four groups a tile (G = 32 with P = 32) it dequantizes
+#   instead ("fma_dq": w = f * C s + (m - C s); acc += w * x). Cost grows with M: for one row.
+# * "dot" (M <= 16): w dequantized as above to the activation dtype and fed to tensor cores,
+#   acc[BN, 16] += W_i[BN, P] @ x_i^T[P, 16] ("dot_x": acc[16, BN] += x_i @ W_i^T): about 4.5
+#   instructions per weight for all 16 rows.
+#
+# Split K: when the N blocks alone do not fill the GPU, K is split over grid axis 1. Each slice
+# writes an fp32 partial to a workspace; the last slice to arrive (per-block counter, acq_rel atomic
+# after a CTA barrier: the CUTLASS semaphore pattern) sums them in a fixed order, adds the bias,
+# writes the output and resets the counter: one launch, no zero-fill, deterministic. ("atomic"
+# reduce: fp32 atomics into a zeroed buffer, then a cast: three launches.)
+
+TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3}
+_PER_CHANNEL_SHIFT = 30
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    mode: str = "fma"               # fma | fma_dq (M <= 4) | dot | dot_x (M <= 16, bf16/fp16 activations)
+    block_n: int = 64               # rows per program
+    num_warps: int = 4
+    num_stages: int = 1             # (Triton does not software-pipeline this loop: stages change nothing)
+    target_programs: int = 1056     # split K until the grid holds about this many programs (8 per SM)
+    split: int = 0                  # fixed K split instead (0: from target_programs)
+    pack: int = 16                  # P of the weight layout this config was tuned for (16 or 32)
+    prefetch: bool = False          # load the next tile's words before computing this one
+    reduce: str = "serial"          # split-K sums: serial (fixed order) | atomic (fp32 atomics; any order)
+
+
+try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
+    import triton
+    import triton.language as tl
+except ImportError:                                               # CPU-only installs: the launchers are unused
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _nibble(w, I: tl.constexpr, MLO, MHI, EXP):
+        # Nibble I of every word as fp32: f = 1 + q/256 (I even) or 1 + q/16 (I odd), so q = C (f - 1)
+        # with C = 256 or 16. The pair of nibbles 2a, 2a+1 is shifted to bits 15..22 (4 shifts per 8
+        # nibbles) and each is or-ed under the exponent of 1.0. (Three shifts, with a third slot at bits
+        # 11..14, measured 4% fewer instructions but more registers and 10x the rounding error.)
+        # MLO = 0x78000, MHI = 0x780000 and EXP = 0x3F800000 arrive as kernel arguments: as literals
+        # ptxas re-materializes them before every lop3 (~0.6 extra instructions per weight in the SASS).
+        if I // 2 == 0:
+            v = w << 15
+        elif I // 2 == 1:
+            v = w << 7
+        elif I // 2 == 2:
+            v = w >> 1
+        else:
+            v = w >> 9
+        if I % 2 == 0:
+            v = (v & MLO) | EXP
+        else:
+            v = (v & MHI) | EXP
+        return v.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _xload(ptrs, kx, K, EVEN_K: tl.constexpr):
+        if EVEN_K:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=kx < K, other=0.0)
+
+    @triton.jit(do_not_specialize=["M", "N", "G_SHIFT", "NG", "n_tiles", "tiles_per_split", "stride_om",
+                                   "MLO", "MHI", "EXP"])
+    def _k_gemv_tiled(x_ptr, qw_ptr, s_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                      M, N, K, KW, G_SHIFT, NG, n_tiles, tiles_per_split, stride_xm, stride_om, MLO, MHI, EXP,
+                      P: tl.constexpr, NSUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      MODE: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, RED_UNROLL: tl.constexpr):
+        # x: [M, K]   qw: int32 [N, KW] (KW = Kp / 8)   s, m: fp16 [NG, N]   out: [M, N]
+        # ws: fp32 [split * BLOCK_M * N] partials   cnt: int32 [N blocks] arrival counters (zero between calls)
+        # MODE 0: FMA, per-group sums; 1: FMA on dequantized w; 2: dot W @ x^T; 3: dot x @ W^T
+        SUB: tl.constexpr = 8 // NSUB                                     # nibbles per group in a tile
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                  # [BN]
+        rows = tl.minimum(offs_n, N - 1)                                  # clamped: loads need no mask
+        offs_j = tl.arange(0, P)                                          # [P] word of the tile
+        offs_m = tl.arange(0, BLOCK_M)                                    # [BM]
+        w_ptrs = qw_ptr + rows[:, None] * KW + offs_j[None, :]            # [BN, P]
+        t_begin = pid_k * tiles_per_split
+        t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+        # x rows past M repeat row M-1 (no masks); their results are never stored
+        x0_ptr = x_ptr
+        if MODE >= 2:
+            xrows = tl.minimum(offs_m, M - 1) * stride_xm                 # [BM]
+            if MODE == 2:
+                accd = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                accd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc0 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+            cor0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if BLOCK_M > 1:
+                x1_ptr = x_ptr + tl.minimum(pid_n * 0 + 1, M - 1) * stride_xm
+                acc1 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                cor1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if BLOCK_M > 2:
+                x2_ptr = x_ptr + tl.minimum(pid_n * 0 + 2, M - 1) * stride_xm
+                x3_ptr = x_ptr + tl.minimum(pid_n * 0 + 3, M - 1) * stride_xm
+                acc2 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                cor2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc3 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                cor3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if PREFETCH:
+            w_next = tl.load(w_ptrs + t_begin * P)
+        for t in range(t_begin, t_end):
+            if PREFETCH:                                                  # issue the next tile's loads first
+                w = w_next
+                w_next = tl.load(w_ptrs + (t + 1) * P, mask=(offs_j * 0 + t + 1) < t_end, other=0)
+            else:
+                w = tl.load(w_ptrs + t * P)                               # [BN, P] int32
+            k0 = t * (8 * P)
+            for sg in tl.static_range(NSUB):                              # the groups of this tile
+                g = tl.minimum((k0 + sg * SUB * P) >> G_SHIFT, NG - 1)    # (clamped: K padding, where x = 0)
+                s = tl.load(s_ptr + g * N + rows).to(tl.float32)          # [BN]
+                mn = tl.load(m_ptr + g * N + rows).to(tl.float32)
+                if MODE == 0:
+                    t0 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                    xs0 = tl.zeros((P,), dtype=tl.float32)
+                    xe0 = tl.zeros((P,), dtype=tl.float32)
+                    if BLOCK_M > 1:
+                        t1 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                        xs1 = tl.zeros((P,), dtype=tl.float32)
+                        xe1 = tl.zeros((P,), dtype=tl.float32)
+                    if BLOCK_M > 2:
+                        t2 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                        xs2 = tl.zeros((P,), dtype=tl.float32)
+                        xe2 = tl.zeros((P,), dtype=tl.float32)
+                        t3 = tl.zeros((BLOCK_N, P), dtype=tl.float32)
+                        xs3 = tl.zeros((P,), dtype=tl.float32)
+                        xe3 = tl.zeros((P,), dtype=tl.float32)
+                    for ii in tl.static_range(SUB):
+                        f = _nibble(w, sg * SUB + ii, MLO, MHI, EXP)  # [BN, P]
+                        kx = k0 + (sg * SUB + ii) * P + offs_j            # [P] inputs of this nibble
+                        c = 16.0 + 240.0 * ((sg * SUB + ii + 1) % 2)      # C of _nibble: 256 or 16
+                        x0 = _xload(x0_ptr + kx, kx, K, EVEN_K).to(tl.float32)
+                        e0 = x0 * c
+                        t0 += f * e0[None, :]
+                        xs0 += x0
+                        xe0 += e0
+                        if BLOCK_M > 1:
+                            x1 = _xload(x1_ptr + kx, kx, K, EVEN_K).to(tl.float32)
+                            e1 = x1 * c
+                            t1 += f * e1[None, :]
+                            xs1 += x1
+                            xe1 += e1
+                        if BLOCK_M > 2:
+                            x2 = _xload(x2_ptr + kx, kx, K, EVEN_K).to(tl.float32)
+                            e2 = x2 * c
+                            t2 += f * e2[None, :]
+                            xs2 += x2
+                            xe2 += e2
+                            x3 = _xload(x3_ptr + kx, kx, K, EVEN_K).to(tl.float32)
+                            e3 = x3 * c
+                            t3 += f * e3[None, :]
+                            xs3 += x3
+                            xe3 += e3
+                    # sum_k x (q s + m) = s * (t - sum c x) + m * sum x over the group
+                    acc0 += t0 * s[:, None]
+                    cor0 += mn * tl.sum(xs0, axis=0) - s * tl.sum(xe0, axis=0)
+                    if BLOCK_M > 1:
+                        acc1 += t1 * s[:, None]
+                        cor1 += mn * tl.sum(xs1, axis=0) - s * tl.sum(xe1, axis=0)
+                    if BLOCK_M > 2:
+                        acc2 += t2 * s[:, None]
+                        cor2 += mn * tl.sum(xs2, axis=0) - s * tl.sum(xe2, axis=0)
+                        acc3 += t3 * s[:, None]
+                        cor3 += mn * tl.sum(xs3, axis=0) - s * tl.sum(xe3, axis=0)
+                else:
+                    s256 = s * 256.0
+                    c256 = mn - s256
+                    s16 = s * 16.0
+                    c16 = mn - s16
+                    for ii in tl.static_range(SUB):
+                        f = _nibble(w, sg * SUB + ii, MLO, MHI, EXP)
+                        if (sg * SUB + ii) % 2 == 0:                      # w = q * s + m = f * C s + (m - C s)
+                            wv = f * s256[:, None] + c256[:, None]        # [BN, P]
+                        else:
+                            wv = f * s16[:, None] + c16[:, None]
+                        kx = k0 + (sg * SUB + ii) * P + offs_j
+                        if MODE == 1:
+                            acc0 += wv * _xload(x0_ptr + kx, kx, K, EVEN_K).to(tl.float32)[None, :]
+                            if BLOCK_M > 1:
+                                acc1 += wv * _xload(x1_ptr + kx, kx, K, EVEN_K).to(tl.float32)[None, :]
+                            if BLOCK_M > 2:
+                                acc2 += wv * _xload(x2_ptr + kx, kx, K, EVEN_K).to(tl.float32)[None, :]
+                                acc3 += wv * _xload(x3_ptr + kx, kx, K, EVEN_K).to(tl.float32)[None, :]
+                        elif MODE == 2:
+                            xt = _xload(x_ptr + xrows[None, :] + kx[:, None], kx[:, None], K, EVEN_K)   # [P, BM]
+                            accd = tl.dot(wv.to(xt.dtype), xt, accd)
+                        else:
+                            xm = _xload(x_ptr + xrows[:, None] + kx[None, :], kx[None, :], K, EVEN_K)   # [BM, P]
+                            accd = tl.dot(xm, tl.trans(wv.to(xm.dtype)), accd)
+        # ---- result [BN, BM] ----
+        if MODE == 2:
+            res = accd
+        elif MODE == 3:
+            res = tl.trans(accd)
+        else:
+            r0 = tl.sum(acc0, axis=1) + cor0
+            if BLOCK_M == 1:
+                res = r0[:, None]
+            else:
+                res = tl.where(offs_m[None, :] == 0, r0[:, None], 0.0)
+                res += tl.where(offs_m[None, :] == 1, (tl.sum(acc1, axis=1) + cor1)[:, None], 0.0)
+                if BLOCK_M > 2:
+                    res += tl.where(offs_m[None, :] == 2, (tl.sum(acc2, axis=1) + cor2)[:, None], 0.0)
+                    res += tl.where(offs_m[None, :] == 3, (tl.sum(acc3, axis=1) + cor3)[:, None], 0.0)
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        n_split = tl.num_programs(1)
+        if n_split == 1:
+            if HAS_BIAS:
+                res += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+            tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # ws: ATOMIC: fp32 [BLOCK_M, N] sums, zero between calls; else fp32 [split, BLOCK_M, N] partials
+            if ATOMIC:
+                tl.atomic_add(ws_ptr + offs_m[None, :] * N + offs_n[:, None], res, mask=mask, sem="relaxed")
+            else:
+                tl.store(ws_ptr + (pid_k * BLOCK_M + offs_m[None, :]) * N + offs_n[:, None], res, mask=mask)
+            tl.debug_barrier()                                            # all of this CTA's writes, then release
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_split - 1:                                    # the last slice of this block finishes
+                if ATOMIC:
+                    tot = tl.load(ws_ptr + offs_m[None, :] * N + offs_n[:, None], mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+                    tl.store(ws_ptr + offs_m[None, :] * N + offs_n[:, None], tl.zeros_like(tot), mask=mask)
+                else:                                                     # fixed order: deterministic
+                    tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    for s0 in range(0, n_split, RED_UNROLL):              # RED_UNROLL loads in flight at once
+                        for u in tl.static_range(RED_UNROLL):
+                            tot += tl.load(ws_ptr + ((s0 + u) * BLOCK_M + offs_m[None, :]) * N + offs_n[:, None],
+                                           mask=mask & (offs_n[:, None] * 0 + (s0 + u) < n_split), other=0.0,
+                                           cache_modifier=".cg")
+                if HAS_BIAS:
+                    tot += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+                tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+    @triton.jit(do_not_specialize=["N", "G_SHIFT", "NG"])
+    def _k_dequant_tiled(qw_ptr, s_ptr, m_ptr, out_ptr, N, K, KW, G_SHIFT, NG, P: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+        # qw: int32 [N, KW] tiled -> out: [N, K] in out's dtype, w = q * s + m
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t = tl.program_id(1)
+        rows = tl.minimum(offs_n, N - 1)
+        offs_j = tl.arange(0, P)
+        w = tl.load(qw_ptr + rows[:, None] * KW + t * P + offs_j[None, :])
+        k0 = t * (8 * P)
+        for i in tl.static_range(8):
+            g = tl.minimum((k0 + i * P) >> G_SHIFT, NG - 1)
+            s = tl.load(s_ptr + g * N + rows).to(tl.float32)
+            mn = tl.load(m_ptr + g * N + rows).to(tl.float32)
+            q = ((w >> (4 * i)) & 0xF).to(tl.float32)
+            kx = k0 + i * P + offs_j
+            tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + kx[None, :],
+                     (q * s[:, None] + mn[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=(offs_n < N)[:, None] & (kx < K)[None, :])
+
+
+def _tiled_kernels():
+    if triton is None:
+        raise RuntimeError("the int4 GEMV needs triton")
+    return _k_gemv_tiled, _k_dequant_tiled
+
+
+def tiled_groups(w) -> tuple[int, int]:
+    """(groups per tile, log2 of the group size) of an `Int4Tiled` (per channel: 1 and 30)."""
+    g, k, p = w.group_size, w.in_features, w.pack
+    if g >= k:
+        return 1, _PER_CHANNEL_SHIFT
+    if g & (g - 1) or g % p:
+        raise ValueError(f"group size {g} must be a power of two and a multiple of pack {p}")
+    return max(1, 8 * p // g), g.bit_length() - 1
+
+
+def plan_tiled(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[tuple[int, int], int, int]:
+    """(grid, tiles per K slice, BLOCK_M) of one call."""
+    if cfg.mode not in TILED_MODES:
+        raise ValueError(f"mode must be one of {', '.join(TILED_MODES)}, got {cfg.mode!r}")
+    if cfg.mode.startswith("fma"):
+        block_m = _next_pow2(m)
+        if block_m > 4:
+            raise ValueError(f"mode {cfg.mode!r} takes at most 4 rows, got {m}")
+    else:
+        block_m = 16
+        if m > 16:
+            raise ValueError(f"mode {cfg.mode!r} takes at most 16 rows, got {m}")
+    n_blocks = -(-n // cfg.block_n)
+    split = cfg.split if cfg.split > 0 else -(-cfg.target_programs // n_blocks)
+    split = max(1, min(split, n_tiles))
+    per = -(-n_tiles // split)
+    return (n_blocks, -(-n_tiles // per)), per, block_m
+
+
+_WORKSPACE: dict = {}
+
+
+def _device_key(device) -> str:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def reserve_workspace(device, floats: int, counters: int, acc: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shared split-K workspace of `device`, grown to fit: fp32 partials (`floats`), zeroed int32
+    arrival counters, and a zeroed fp32 accumulator (`acc`) for the atomic reduction.
+
+    The kernels leave counters and accumulator at zero, and calls on one stream never overlap, so one
+    workspace per device serves every weight. Callers reserve before any CUDA-graph capture
+    (linear_int4 does at load): a graph keeps the addresses it saw, and capture must not allocate.
+    """
+    key = _device_key(device)
+    ws, cnt, ac = _WORKSPACE.get(key, (None, None, None))
+    if ws is None or ws.numel() < floats or cnt.numel() < counters or ac.numel() < acc:
+        old = (ws, cnt, ac)
+        floats = max(floats, ws.numel() if ws is not None else 0, 1 << 16)
+        counters = max(counters, cnt.numel() if cnt is not None else 0, 1024)
+        acc = max(acc, ac.numel() if ac is not None else 0, 1 << 12)
+        ws = old[0] if old[0] is not None and old[0].numel() >= floats else \
+            torch.empty(floats, dtype=torch.float32, device=device)
+        cnt = old[1] if old[1] is not None and old[1].numel() >= counters else \
+            torch.zeros(counters, dtype=torch.int32, device=device)
+        ac = old[2] if old[2] is not None and old[2].numel() >= acc else \
+            torch.zeros(acc, dtype=torch.float32, device=device)
+        _WORKSPACE[key] = (ws, cnt, ac)
+    return ws, cnt, ac
+
+
+def tiled_workspace_need(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[int, int, int]:
+    """(fp32 partials, counters, fp32 accumulator) one call needs."""
+    (n_blocks, split), _, block_m = plan_tiled(m, n, n_tiles, cfg)
+    if split == 1:
+        return 0, 0, 0
+    return (0, n_blocks, block_m * n) if cfg.reduce == "atomic" else (split * block_m * n, n_blocks, 0)
+
+
+def tiled_kernel_mode(cfg: TiledConfig, w) -> int:
+    """The kernel's MODE for a config on a weight ("fma" turns into the dequantizing FMA past 4 groups a tile)."""
+    mode = TILED_MODES[cfg.mode]
+    return 1 if mode == 0 and tiled_groups(w)[0] > 4 else mode
+
+
+def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
+                    cfg: TiledConfig | None = None) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for x: [M, K] (M <= 16), `w` an `int4_pack.Int4Tiled`; [M, N] in x.dtype."""
+    m, k = x.shape
+    n = w.qweight.shape[0]
+    if k != w.in_features:
+        raise ValueError(f"x has {k} columns, the weight {w.in_features}")
+    if m == 0:
+        return x.new_empty((0, n))
+    cfg = cfg or tiled_config(m, n, k, w.group_size)
+    if not cfg.mode.startswith("fma") and (w.pack < 16 or x.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"mode {cfg.mode!r} needs pack >= 16 and bf16/fp16 activations")
+    nsub, g_shift = tiled_groups(w)
+    grid, per, block_m = plan_tiled(m, n, w.n_tiles, cfg)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    atomic = cfg.reduce == "atomic"
+    split = grid[1] > 1
+    need = (block_m * n if atomic else grid[1] * block_m * n) if split else 0
+    ws, cnt, acc = _WORKSPACE.get(_device_key(x.device), (None, None, None))
+    if ws is None or (acc if atomic else ws).numel() < need or cnt.numel() < grid[0] * split:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if ws is None:
+                raise RuntimeError("int4_gemv_tiled: call reserve_workspace() before capturing a CUDA graph")
+            grid, per = (grid[0], 1), w.n_tiles     # never allocate inside a capture: no K split then
+        else:
+            ws, cnt, acc = reserve_workspace(x.device, 0 if atomic else need, grid[0] * split, need if atomic else 0)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    per_thread = cfg.block_n * block_m // (32 * cfg.num_warps)
+    kern, _ = _tiled_kernels()
+    kern[grid](x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+               acc if atomic else ws, cnt,
+               m, n, k, w.qweight.shape[1], g_shift, w.scales.shape[0], w.n_tiles, per, x.stride(0), out.stride(0),
+               0x78000, 0x780000, 0x3F800000,
+               P=w.pack, NSUB=nsub, BLOCK_N=cfg.block_n, BLOCK_M=block_m, MODE=tiled_kernel_mode(cfg, w),
+               EVEN_K=k % (8 * w.pack) == 0, PREFETCH=cfg.prefetch, HAS_BIAS=bias is not None, ATOMIC=atomic,
+               RED_UNROLL=max(1, min(16, 32 // max(1, per_thread))),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def int4_dequantize_tiled(w, dtype: torch.dtype) -> torch.Tensor:
+    """Dense [N, K] of `dtype` from an `Int4Tiled` on the GPU (the prefill path)."""
+    n, k = w.shape
+    out = torch.empty((n, k), device=w.qweight.device, dtype=dtype)
+    _, g_shift = tiled_groups(w)
+    block_n = 32 if w.pack == 16 else 16
+    _, kern = _tiled_kernels()
+    kern[(-(-n // block_n), w.n_tiles)](w.qweight, w.scales, w.mins, out, n, k, w.qweight.shape[1], g_shift,
+                                        w.scales.shape[0], P=w.pack, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+# ---- launch configs by shape class ---------------------------------------------------------------
+# Initial values chosen from the SASS (instructions per weight, registers) compiled for sm_90, not yet
+# timed: scripts/int4_sweep.py measures the grid on the GPU and prints entries to paste here.
+# TUNED: exact shapes, (N, K, group, rows bucket) -> config; group is K for per-channel weights;
+# rows bucket: 1, 4 (2..4 rows) or 16 (5..16 rows). All buckets of one shape must share `pack` (the
+# layout is made once, at load, with the pack of the 1-row config).
+TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
+    # measured on the H200 on 2026-11-29 (scripts/int4_sweep.py --quick): us ours / bf16 / tinygemm
+    (102400, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=2112, pack=16),   # 59.0 / 122.7 / 62.5
+    (102400, 2048, 128, 4): TiledConfig("dot", block_n=128, num_warps=4, num_stages=1, target_programs=2112, pack=16),   # 112.8 / 114.2 / 85.8
+    (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=264, pack=16, reduce="atomic"),   # 125.9 / 107.7 / 239.1
+    (21888, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=264, pack=16),     # 15.2 / 27.2 / 15.5
+    (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=32),      # 11.8 / 17.0 / rejects K
+    (10944, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=528, pack=16),     # 10.1 / 14.3 / 9.1
+    (7168, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 8.2 / 10.9 / 7.0
+    (4096, 4096, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 8.7 / 13.7 / 7.0
+    (4096, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 6.2 / 7.3 / 4.5
+    (3072, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 5.8 / 6.6 / 4.0
+    (2048, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=3, target_programs=264, pack=16, prefetch=True),   # 5.3 / 6.2 / 3.6
+    (2048, 2048, 128, 4): TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=528, pack=16, reduce="atomic"),   # 6.4 / 6.2 / 4.8
+    (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=528, pack=16, reduce="atomic"),  # 7.1 / 6.2 / 7.7
+    (2048, 2048, 32, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=3, target_programs=264, pack=16, prefetch=True),    # 6.2 / 6.2 / 4.4
+    (3072, 2048, 2048, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),     # 5.6 / 6.6 / rejects per-channel
+}
+
+# Shape classes: (largest bf16 size of the weight in MB, {rows bucket: config}); the first that holds it.
+CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
+    (24.0, {1: TiledConfig("fma", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+            4: TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+            16: TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16)}),
+    (70.0, {1: TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+            4: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+            16: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16)}),
+    (float("inf"), {1: TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+                    4: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),
+                    16: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16)}),
+]
+
+# Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
+# first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
+TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-11-29 (same sweep)
+    (2048, 2048): {1, 4}, (3072, 2048): {1}, (4096, 2048): {1}, (4096, 4096): {1}, (7168, 2048): {1},
+    (10944, 2048): {1}, (102400, 2048): {4},
+    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 70 MB at one row
+}
+
+
+def tinygemm_buckets(n: int, k: int) -> set:
+    """Rows buckets in which tinygemm runs for an [N, K] weight under backend auto (exact shape first)."""
+    hit = TINYGEMM_FASTER.get((n, k))
+    return set(hit) if hit is not None else set(TINYGEMM_FASTER.get(shape_class(n, k), ()))
+
+
+def rows_bucket(m: int) -> int:
+    return 1 if m <= 1 else 4 if m <= 4 else 16
+
+
+def shape_class(n: int, k: int) -> float:
+    mb = n * k * 2 / 1e6
+    return next(limit for limit, _ in CLASS_CONFIGS if mb <= limit)
+
+
+def tiled_config(m: int, n: int, k: int, group: int) -> TiledConfig:
+    """The launch config for `m` rows on an [N, K] weight (exact tuned shape, else its class)."""
+    b = rows_bucket(m)
+    hit = TUNED.get((n, k, group, b))
+    if hit is None:
+        limit = shape_class(n, k)
+        hit = next(c for lim, c in CLASS_CONFIGS if lim == limit)[b]
+    return hit
+
+
+def tiled_pack(n: int, k: int, group: int) -> int:
+    """The P to lay a weight out with: what its single-row config was tuned for, if the group allows it."""
+    p = tiled_config(1, n, k, group).pack
+    while p > 8 and group < k and group % p:
+        p //= 2
+    return p

@@ -1,0 +1,101 @@
+"""The few CUDA driver API calls ktinject makes itself, bound once through ctypes on
+`libcuda.so.1` (present wherever a CUDA GPU is usable; no build step, no extra dependency).
+
+* host functions and async copies on a stream (`ktinject.native.hostfn`: stream-ordered CPU
+  experts, capturable in CUDA graphs);
+* host memory registration (`streamed_experts`: DMA straight from a memory-mapped GGUF file).
+
+Driver calls, unlike the runtime's (`torch.cuda.cudart()`), leave no pending error behind for
+torch's next kernel-launch check to raise. Each wrapper returns None or an error string, or
+raises `NativeError` through `check`.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+from ..errors import NativeError
+
+READ_ONLY, PORTABLE = 0x08, 0x01          # CU_MEMHOSTREGISTER_READ_ONLY | _PORTABLE
+
+_lock = threading.Lock()
+_driver: Optional["CudaDriver"] = None
+_error: Optional[str] = None
+
+
+class CudaDriver:
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = lib
+        P, vp = ctypes.POINTER, ctypes.c_void_p
+        self.launch_host_func = lib.cuLaunchHostFunc
+        self.launch_host_func.argtypes = [vp, vp, vp]
+        self.memcpy_dtoh_async = lib.cuMemcpyDtoHAsync_v2
+        self.memcpy_dtoh_async.argtypes = [vp, ctypes.c_uint64, ctypes.c_size_t, vp]
+        self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
+        self.memcpy_htod_async.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
+        self._register = getattr(lib, "cuMemHostRegister_v2", None) or lib.cuMemHostRegister
+        self._register.argtypes = [vp, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [vp]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, P(ctypes.c_char_p)]
+        lib.cuCtxGetCurrent.argtypes = [P(vp)]
+        for f in (self.launch_host_func, self.memcpy_dtoh_async, self.memcpy_htod_async, self._register,
+                  lib.cuMemHostUnregister, lib.cuGetErrorString, lib.cuCtxGetCurrent):
+            f.restype = ctypes.c_int
+        lib.cuInit(0)                                    # a no-op once torch initialized CUDA
+
+    def error(self, rc: int) -> str:
+        msg = ctypes.c_char_p()
+        self.lib.cuGetErrorString(rc, ctypes.byref(msg))
+        return f"{(msg.value or b'?').decode(errors='replace')} (CUresult {rc})"
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise NativeError(f"CUDA driver call {what} failed: {self.error(rc)}")
+
+    def ensure_context(self, device: Optional[int]) -> Optional[str]:
+        """Make sure a context is current on this thread (the device's primary one, as the runtime
+        binds it); None or why not."""
+        ctx = ctypes.c_void_p()
+        if self.lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            return None
+        if device is None:
+            return "no current CUDA context"
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        for rc in (self.lib.cuDeviceGet(ctypes.byref(dev), int(device)),
+                   self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                   self.lib.cuCtxSetCurrent(ctx)):
+            if rc:
+                return f"no current CUDA context ({self.error(rc)})"
+        return None
+
+    def register(self, ptr: int, nbytes: int, device: Optional[int] = None) -> Optional[str]:
+        """Page-lock host memory for DMA, read-only (GGUF maps are); None or the error."""
+        err = self.ensure_context(device)
+        if err:
+            return err
+        rc = self._register(ctypes.c_void_p(ptr), nbytes, READ_ONLY | PORTABLE)
+        return None if rc == 0 else self.error(rc)
+
+    def unregister(self, ptr: int) -> Optional[str]:
+        rc = self.lib.cuMemHostUnregister(ctypes.c_void_p(ptr))
+        return None if rc == 0 else self.error(rc)
+
+
+def driver() -> CudaDriver:
+    """The bound driver, or a NativeError saying why it cannot be used."""
+    global _driver, _error
+    with _lock:
+        if _driver is None and _error is None:
+            import torch
+            if not torch.cuda.is_available():
+                _error = "CUDA is not available"
+            else:
+                try:
+                    _driver = CudaDriver()
+                except (OSError, AttributeError) as exc:
+                    _error = f"the CUDA driver library cannot be used through ctypes ({exc})"
+    if _driver is None:
+        raise NativeError(f"CUDA driver API unavailable: {_error}")
+    return _driver
