@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [convert]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -38,6 +38,17 @@ if [[ $steps == *" profile "* ]]; then   # the hybrid decode step, broken down (
   for th in ${PROFILE_THREADS:-16}; do
     KTINJECT_THREADS=$th timeout 240 python3 scripts/profile_decode.py /tmp/v2lite.gguf ${PROFILE_ARGS:-} 2>&1 \
       | tee "$OUT/profile_decode_$th.txt" | grep -v Warning | tail -8
+  done
+fi
+if [[ $steps == *" decodeab "* ]]; then   # A/B of the pool knobs on the graph decode step (one process each)
+  [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
+  KTINJECT_THREADS=15 timeout 150 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph --bisect 2>&1 \
+    | grep -E "decode|machine|threads over|CPU layers" | cut -c1-700
+  for cfg in "KTINJECT_SPIN_US=0" "KTINJECT_SPIN_US=20000" "KTINJECT_MULTIROW=0"; do
+    echo "== $cfg"
+    env $cfg timeout 120 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph --no-layers 2>&1 \
+      | grep -E "decode|machine|threads over" | cut -c1-700
   done
 fi
 if [[ $steps == *" convert "* ]]; then   # ktinject convert of a full-size random HF directory (16B parameters)

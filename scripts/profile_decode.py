@@ -50,6 +50,38 @@ def thread_cpu():
     return out
 
 
+def cpu_counters():
+    """(per-CPU steal jiffies, per-CPU interrupt counts) from /proc/stat and /proc/interrupts."""
+    steal, irqs = {}, {}
+    try:
+        for line in open("/proc/stat"):
+            if line.startswith("cpu") and line[3:4].isdigit():
+                f = line.split()
+                steal[int(f[0][3:])] = int(f[8])
+        lines = open("/proc/interrupts").read().splitlines()
+        cpus = [int(c[3:]) for c in lines[0].split()]
+        for line in lines[1:]:
+            f = line.split()[1:1 + len(cpus)]
+            for c, v in zip(cpus, f):
+                if v.isdigit():
+                    irqs[c] = irqs.get(c, 0) + int(v)
+    except (OSError, ValueError, IndexError):
+        pass
+    return steal, irqs
+
+
+def counters_delta(before, after, seconds):
+    """Steal time and interrupts per second on each CPU over the window (the hypotheses for a
+    worker starting late: the hypervisor running something else on its vCPU, interrupts)."""
+    (s0, i0), (s1, i1) = before, after
+    hz = os.sysconf("SC_CLK_TCK")
+    steal = {c: (s1[c] - s0.get(c, 0)) / hz / seconds for c in s1}
+    irq = {c: (i1[c] - i0.get(c, 0)) / seconds for c in i1}
+    return (f"steal {100 * sum(steal.values()) / max(len(steal), 1):.1f}% avg, max "
+            f"{100 * max(steal.values(), default=0):.1f}%; interrupts/s per CPU: "
+            + " ".join(f"{c}:{irq[c]:.0f}" for c in sorted(irq)))
+
+
 def busy_threads(before, after, seconds):
     rows = []
     for tid, (name, cpu, last) in after.items():
@@ -91,6 +123,42 @@ def anon_copy(kern):
     return MoEKernel(*mats, pool=kern.pool)
 
 
+def host_node_loop(ks, tokens=32, k=6, graph=True):
+    """The CPU layers driven only by stream-ordered host nodes, no model GPU work in between: the
+    bisection between "the host-node mechanism slows the layer" and "the model's GPU work does".
+    Returns ms per layer."""
+    from ktinject.native.hostfn import HostJob
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(1, ks[0].hidden, generator=g) * 0.1).to(dev)
+    w = torch.full((1, k), 1.0 / k, device=dev)
+    jobs = [HostJob(kern, 1, k, dev) for kern in ks]
+    ids = [torch.randperm(ks[0].n_experts, generator=g)[:k].view(1, k).to(dev) for _ in ks]
+
+    def step():
+        for job, i in zip(jobs, ids):
+            job.submit(x, i, w)
+            job.sync()
+    step()
+    torch.cuda.synchronize()
+    if graph:
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            step()
+        run = cg.replay
+    else:
+        run = step
+    run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        run()
+    done = torch.cuda.Event(blocking=True)      # a sleeping wait, as the generation engine's
+    done.record()
+    done.synchronize()
+    return (time.perf_counter() - t0) / (tokens * len(ks)) * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -99,6 +167,8 @@ def main():
     ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--modes", default="graph,eager,python", help="of graph, eager, python")
     ap.add_argument("--no-layers", action="store_true", help="skip the CPU-layers-alone loops")
+    ap.add_argument("--bisect", action="store_true",
+                    help="also run the layers through host-function nodes only (graph and eager), no model")
     args = ap.parse_args()
     for f in ("enabled", "defrag"):
         try:
@@ -119,15 +189,22 @@ def main():
         try:
             generate(model, tok, prompt, max_new_tokens=8, cuda_graph=graph)
             trace(pool)
-            t0, before = time.perf_counter(), thread_cpu()
+            t0, before, counters = time.perf_counter(), thread_cpu(), cpu_counters()
             r = generate(model, tok, prompt, max_new_tokens=args.steps, cuda_graph=graph)
-            print(f"{label} threads over {time.perf_counter() - t0:.2f} s:",
-                  busy_threads(before, thread_cpu(), time.perf_counter() - t0))
+            dt = time.perf_counter() - t0
+            print(f"{label} threads over {dt:.2f} s:", busy_threads(before, thread_cpu(), dt))
+            print(f"{label} machine: {counters_delta(counters, cpu_counters(), dt)}")
             print(f"{label}: decode {r.decode_tokens_per_s:.1f} tok/s ({1e3 / r.decode_tokens_per_s:.2f} ms/token, "
                   f"{r.decode_mode}); per layer: {trace(pool)}")
         finally:
             for key in env:
                 os.environ.pop(key, None)
+    if args.bisect:
+        trace(pool)
+        for graph in (True, False):
+            ms = host_node_loop(ks, graph=graph)
+            print(f"CPU layers through host nodes only ({'graph' if graph else 'eager'}): {ms:.3f} ms per layer; "
+                  f"{trace(pool)}")
     if args.no_layers:
         return
     ms = layer_loop(ks)
