@@ -24,6 +24,7 @@
 #define KTK_Q4_K 12
 #define KTK_Q5_K 13
 #define KTK_Q6_K 14
+#define KTK_IQ4_XS 23
 #define KTK_BF16 30
 
 /* Error codes. */

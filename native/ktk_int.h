@@ -33,6 +33,14 @@ typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;                       /*
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_k;           /* 144 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_k;  /* 176 */
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_k;   /* 210 */
+typedef struct { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } blk_iq4_xs;   /* 136 */
+
+/* IQ4_NL / IQ4_XS non-linear 4-bit grid */
+static const int8_t ktk_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* the 6-bit scale of sub-block ib (0..7) of an IQ4_XS super-block, minus 32 */
+static inline int ktk_iq4xs_scale(const blk_iq4_xs *x, int ib) {
+    return (int)(((x->scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf) | (((x->scales_h >> (2 * ib)) & 3) << 4)) - 32;
+}
 
 /* y = dot(row, x) over n values; xf: floats, xq: the activation record of the same values. */
 typedef float (*ktk_dot_fn)(const uint8_t *row, const float *xf, const ktk_q8 *xq, int64_t n);

@@ -108,10 +108,10 @@ KTK_DOTN_LOOP(dotn_bf16_avx512, dot_bf16_avx512, KTK_BF16)
 const ktk_kernels ktk_kernels_avx512 = {
     .dot = {[KTK_F32] = dot_f32_avx512, [KTK_F16] = dot_f16_avx512, [KTK_BF16] = dot_bf16_avx512,
             [KTK_Q4_0] = dot_q4_0_avx512, [KTK_Q5_0] = dot_q5_0_avx512, [KTK_Q8_0] = dot_q8_0_avx512, [KTK_Q4_K] = dot_q4_k_avx512,
-            [KTK_Q5_K] = dot_q5_k_avx512, [KTK_Q6_K] = dot_q6_k_avx512},
+            [KTK_Q5_K] = dot_q5_k_avx512, [KTK_Q6_K] = dot_q6_k_avx512, [KTK_IQ4_XS] = dot_iq4_xs_avx512},
     .dotn = {[KTK_F32] = dotn_f32_avx512, [KTK_F16] = dotn_f16_avx512, [KTK_BF16] = dotn_bf16_avx512,
              [KTK_Q4_0] = dotn_q4_0_avx512, [KTK_Q5_0] = dotn_q5_0_avx512, [KTK_Q8_0] = dotn_q8_0_avx512,
-             [KTK_Q4_K] = dotn_q4_k_avx512, [KTK_Q5_K] = dotn_q5_k_avx512, [KTK_Q6_K] = dotn_q6_k_avx512},
+             [KTK_Q4_K] = dotn_q4_k_avx512, [KTK_Q5_K] = dotn_q5_k_avx512, [KTK_Q6_K] = dotn_q6_k_avx512, [KTK_IQ4_XS] = dotn_iq4_xs_avx512},
     .quant_act = quant_act_avx512,
     .gemm = gemm_avx512,
     .dequant = dequant_avx512,

@@ -25,7 +25,7 @@ int ktk_type_block(int type) {
     switch (type) {
     case KTK_F32: case KTK_F16: case KTK_BF16: return 1;
     case KTK_Q4_0: case KTK_Q5_0: case KTK_Q8_0: return 32;
-    case KTK_Q4_K: case KTK_Q5_K: case KTK_Q6_K: return 256;
+    case KTK_Q4_K: case KTK_Q5_K: case KTK_Q6_K: case KTK_IQ4_XS: return 256;
     default: return 0;
     }
 }
@@ -40,6 +40,7 @@ int ktk_type_size(int type) {
     case KTK_Q4_K: return (int)sizeof(blk_q4_k);
     case KTK_Q5_K: return (int)sizeof(blk_q5_k);
     case KTK_Q6_K: return (int)sizeof(blk_q6_k);
+    case KTK_IQ4_XS: return (int)sizeof(blk_iq4_xs);
     default: return 0;
     }
 }
@@ -129,6 +130,18 @@ void ktk_dequant_block(int type, const uint8_t *b, float *y) {
         }
         break;
     }
+    case KTK_IQ4_XS: {
+        const blk_iq4_xs *x = (const blk_iq4_xs *)b; float d = ktk_f16_to_f32(x->d);
+        for (int ib = 0; ib < 8; ib++) {
+            float dl = d * (float)ktk_iq4xs_scale(x, ib);
+            const uint8_t *qs = x->qs + 16 * ib;
+            for (int j = 0; j < 16; j++) {
+                y[32 * ib + j] = dl * (float)ktk_kvalues_iq4nl[qs[j] & 0xf];
+                y[32 * ib + j + 16] = dl * (float)ktk_kvalues_iq4nl[qs[j] >> 4];
+            }
+        }
+        break;
+    }
     default: break;
     }
 }
@@ -212,6 +225,7 @@ DOT_SCALAR(KTK_Q8_0, dot_q8_0_s)
 DOT_SCALAR(KTK_Q4_K, dot_q4_k_s)
 DOT_SCALAR(KTK_Q5_K, dot_q5_k_s)
 DOT_SCALAR(KTK_Q6_K, dot_q6_k_s)
+DOT_SCALAR(KTK_IQ4_XS, dot_iq4_xs_s)
 
 KTK_DOTN_LOOP(dotn_f32_s, dot_f32_s, KTK_F32)
 KTK_DOTN_LOOP(dotn_f16_s, dot_f16_s, KTK_F16)
@@ -222,6 +236,7 @@ KTK_DOTN_LOOP(dotn_q8_0_s, dot_q8_0_s, KTK_Q8_0)
 KTK_DOTN_LOOP(dotn_q4_k_s, dot_q4_k_s, KTK_Q4_K)
 KTK_DOTN_LOOP(dotn_q5_k_s, dot_q5_k_s, KTK_Q5_K)
 KTK_DOTN_LOOP(dotn_q6_k_s, dot_q6_k_s, KTK_Q6_K)
+KTK_DOTN_LOOP(dotn_iq4_xs_s, dot_iq4_xs_s, KTK_IQ4_XS)
 
 static void gemm_scalar(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
                         float *C, int64_t ldc) {
@@ -251,10 +266,10 @@ static uint64_t stream_scalar(const uint8_t *p, size_t n) {
 const ktk_kernels ktk_kernels_scalar = {
     .dot = {[KTK_F32] = dot_f32_s, [KTK_F16] = dot_f16_s, [KTK_BF16] = dot_bf16_s,
             [KTK_Q4_0] = dot_q4_0_s, [KTK_Q5_0] = dot_q5_0_s, [KTK_Q8_0] = dot_q8_0_s, [KTK_Q4_K] = dot_q4_k_s,
-            [KTK_Q5_K] = dot_q5_k_s, [KTK_Q6_K] = dot_q6_k_s},
+            [KTK_Q5_K] = dot_q5_k_s, [KTK_Q6_K] = dot_q6_k_s, [KTK_IQ4_XS] = dot_iq4_xs_s},
     .dotn = {[KTK_F32] = dotn_f32_s, [KTK_F16] = dotn_f16_s, [KTK_BF16] = dotn_bf16_s,
              [KTK_Q4_0] = dotn_q4_0_s, [KTK_Q5_0] = dotn_q5_0_s, [KTK_Q8_0] = dotn_q8_0_s, [KTK_Q4_K] = dotn_q4_k_s,
-             [KTK_Q5_K] = dotn_q5_k_s, [KTK_Q6_K] = dotn_q6_k_s},
+             [KTK_Q5_K] = dotn_q5_k_s, [KTK_Q6_K] = dotn_q6_k_s, [KTK_IQ4_XS] = dotn_iq4_xs_s},
     .quant_act = ktk_quant_act_scalar,
     .gemm = gemm_scalar,
     .dequant = dequant_scalar,

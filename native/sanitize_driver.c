@@ -48,7 +48,7 @@ static double rel(const float *a, const float *b, int64_t n) {
 }
 
 int main(void) {
-    static const int types[] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K, KTK_BF16, KTK_F16, KTK_F32};
+    static const int types[] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K, KTK_IQ4_XS, KTK_BF16, KTK_F16, KTK_F32};
     const int64_t E = 4, H = 256, I = 512, k = 2;
     int feats = ktk_cpu_features(), fails = 0;
     ktk_pool *pool = ktk_pool_new(3, 1);

@@ -76,21 +76,23 @@ def test_cpu_experts_returns_caller_dtype_and_async():
     assert rel_err(out.float(), ref) < 2e-2
 
 
-def test_cpu_experts_on_gguf_blocks():
+@pytest.mark.parametrize("gq,dq", [(QT.Q4_K, QT.Q5_0), (QT.IQ4_XS, QT.IQ4_XS)], ids=["q4_k-q5_0", "iq4_xs"])
+def test_cpu_experts_on_gguf_blocks(gq, dq):
     """GGUF layout: gate and up as a FusedTensor of two GGMLTensors (Q4_K), down in Q5_0 (what
-    llama.cpp writes for rows of 1408 values); zero copy, against the dequantized reference."""
+    llama.cpp writes for rows of 1408 values), or all IQ4_XS; zero copy, against the dequantized
+    reference."""
     model, block = first_moe_block("deepseek_v2")
     E, H, I = block.experts.gate_up_proj.shape[0], model.config.hidden_size, model.config.moe_intermediate_size
-    g, u, d = rand_rows(QT.Q4_K, E * I, H, 1), rand_rows(QT.Q4_K, E * I, H, 2), rand_rows(QT.Q5_0, E * H, I, 3)
-    gu = FusedTensor((GGMLTensor(int(QT.Q4_K), (E, I, H), g, "blk.1.ffn_gate_exps.weight", "m.gguf"),
-                      GGMLTensor(int(QT.Q4_K), (E, I, H), u, "blk.1.ffn_up_exps.weight", "m.gguf")), dim=1)
-    down = GGMLTensor(int(QT.Q5_0), (E, H, I), d, "blk.1.ffn_down_exps.weight", "m.gguf")
+    g, u, d = rand_rows(gq, E * I, H, 1), rand_rows(gq, E * I, H, 2), rand_rows(dq, E * H, I, 3)
+    gu = FusedTensor((GGMLTensor(int(gq), (E, I, H), g, "blk.1.ffn_gate_exps.weight", "m.gguf"),
+                      GGMLTensor(int(gq), (E, I, H), u, "blk.1.ffn_up_exps.weight", "m.gguf")), dim=1)
+    down = GGMLTensor(int(dq), (E, H, I), d, "blk.1.ffn_down_exps.weight", "m.gguf")
     Op = registry.get("cpu_experts")
     op = Op.build(block.experts, _ctx(model, Op.Options(threads=2)))
     op.load_weights("p.", {"p.gate_up_proj": gu, "p.down_proj": down})
     assert op.kernel.gate.data.data_ptr() == g.data_ptr()            # zero copy
-    G, U, D = dequant(QT.Q4_K, g, H).reshape(E, I, H), dequant(QT.Q4_K, u, H).reshape(E, I, H), \
-        dequant(QT.Q5_0, d, I).reshape(E, H, I)
+    G, U, D = dequant(gq, g, H).reshape(E, I, H), dequant(gq, u, H).reshape(E, I, H), \
+        dequant(dq, d, I).reshape(E, H, I)
     for T in (1, 50):
         x = torch.randn(T, H)
         ids, w = random_routing(T, E, 2, seed=T)

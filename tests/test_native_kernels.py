@@ -70,6 +70,27 @@ def test_gemv_row_subsets(isa, qt):
         assert torch.equal(part, full[start:start + count]), (isa, qt.name, start, count)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_iq4_xs_random_bytes(isa):
+    """IQ4_XS on random bytes (every 6-bit scale, negative ones included, every grid index; the
+    quantizer of the other tests leaves most scales near the top): dequantization bit-exact with
+    gguf-py, row dots within the usual tolerance."""
+    from ktinject.native.synth import random_rows
+    n = 2048
+    w = random_rows(QT.IQ4_XS, 16, n, seed=13)
+    blocks = w.reshape(-1, 136)
+    ls = ((blocks[:, 4:8].repeat_interleave(2, 1) >> torch.tensor([0, 4] * 4, dtype=torch.uint8)) & 15).int() | (
+        ((blocks[:, 2:4].view(torch.int16).int() & 0xFFFF) >> (2 * torch.arange(8))) & 3) << 4
+    assert len(torch.unique(ls)) == 64                            # the test sees every scale
+    ref = dequant(QT.IQ4_XS, w, n)
+    for r in range(16):
+        got = native.dequant_row(int(QT.IQ4_XS), w[r].contiguous(), n, isa)
+        assert torch.equal(got, ref[r]), (isa, r)
+    x = torch.randn(n)
+    y = native.gemv(int(QT.IQ4_XS), w, n, x, isa)
+    assert rel_err(y, (ref.double() @ x.double()).float()) < _gemv_tol(isa, QT.IQ4_XS), isa
+
+
 @functools.lru_cache(maxsize=None)
 def _moe_case(qt, dqt, E=8, H=256, I=512, seed=0):
     g, u, d = rand_rows(qt, E * I, H, seed + 1), rand_rows(qt, E * I, H, seed + 2), rand_rows(dqt, E * H, I, seed + 3)
@@ -114,7 +135,7 @@ def test_moe_kernel(isa, qt, T, grouped, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.IQ4_XS, QT.BF16], ids=lambda q: q.name)
 def test_moe_decode_one_row_kernels(isa, qt, monkeypatch):
     """$KTINJECT_MULTIROW=0 (the one-row kernels on the decode path, kept for A/B runs) agrees with
     the multi-row default and with the reference."""

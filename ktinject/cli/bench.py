@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
     g.add_argument("--inter", type=int, default=1408, help="expert intermediate size I (default 1408)")
     g.add_argument("--experts", type=int, default=64, help="routed experts per layer E (default 64)")
     g.add_argument("--topk", type=int, default=6, help="experts per token k (default 6)")
-    g.add_argument("--quant", default="q4_k", help="weight type(s), comma-separated: q4_0,q8_0,q4_k,q5_k,q6_k,bf16")
+    g.add_argument("--quant", default="q4_k", help="weight type(s), comma-separated: q4_0,q8_0,q4_k,q5_k,q6_k,iq4_xs,bf16")
     g.add_argument("--batch", default="1", help="tokens per call, comma-separated (e.g. 1,512)")
     g.add_argument("--threads", default="0", help="worker threads, comma-separated (0 = all CPUs)")
     g.add_argument("--isa", default=None, help="force an ISA path: scalar, avx2, avx512, amx")
