@@ -95,3 +95,17 @@ def test_cpu_experts_takes_the_python_path_without_cuda():
         assert op.supports_cuda_graph is False
     with pytest.raises(ValueError, match="stream_max_tokens"):
         CpuExpertsOptions(stream_max_tokens=0)
+
+
+def test_reloading_weights_drops_jobs_bound_to_the_old_kernel():
+    from ktinject.operators.cpu_experts import CpuExperts, CpuExpertsOptions
+    from ktinject.testing import first_moe_block
+    model, block = first_moe_block("qwen3_moe")
+    E, two_i, H = block.experts.gate_up_proj.shape
+    op = CpuExperts(E, H, two_i // 2, CpuExpertsOptions(threads=2))
+    src = {"e.gate_up_proj": block.experts.gate_up_proj.data, "e.down_proj": block.experts.down_proj.data}
+    op.load_weights("e.", src)
+    op._jobs["stale"] = object()          # what a CUDA decode would have created
+    op._loaded_prefix = None              # force a real reload
+    op.load_weights("e.", src)
+    assert op._jobs == {}

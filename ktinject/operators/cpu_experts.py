@@ -193,6 +193,7 @@ class CpuExperts(Operator):
         from ..native import MoEKernel
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
         self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa)
+        self._jobs.clear()                    # stream-ordered jobs were bound to the previous kernel
         self._loaded_prefix = prefix
         return keys
 
