@@ -15,13 +15,14 @@
 #include <stdatomic.h>
 
 static _Atomic int first_error;
+static ktk_host_job *_Atomic first_job;  /* the job that failed first (names the layer in Python) */
 static __thread int placed;            /* this (driver) thread was moved off the workers' cores */
 
 static void fail(ktk_host_job *j, int rc) {
     j->status = rc;
     if (j->out && j->T > 0 && j->hidden > 0) memset(j->out, 0, (size_t)(j->T * j->hidden) * sizeof(float));
     int none = 0;
-    atomic_compare_exchange_strong(&first_error, &none, rc);
+    if (atomic_compare_exchange_strong(&first_error, &none, rc)) atomic_store(&first_job, j);
 }
 
 void ktk_host_submit(void *arg) {
@@ -41,6 +42,9 @@ void ktk_host_sync(void *arg) {
     if (rc) fail(j, rc);
 }
 
-int ktk_host_error(int clear) {
-    return clear ? atomic_exchange(&first_error, 0) : atomic_load(&first_error);
+int ktk_host_error(int clear, void **job) {
+    if (job) *job = atomic_load(&first_job);
+    if (!clear) return atomic_load(&first_error);
+    atomic_store(&first_job, NULL);
+    return atomic_exchange(&first_error, 0);
 }

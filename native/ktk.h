@@ -85,7 +85,8 @@ int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, cons
 /* ---- stream-ordered jobs (hostjob.c): host functions of a CUDA stream, see that file ----
  * `ktk_host_submit(job)` posts the layer to the pool and returns; `ktk_host_sync(job)` waits.
  * They never fail loudly (they run on the driver's callback thread): a failed job zeroes `out`,
- * sets `status`, and the first failure is kept for ktk_host_error (clear = 1 resets it). */
+ * sets `status`, and the first failure is kept for ktk_host_error, which also gives the failed
+ * job's address through `job` (when not NULL; clear = 1 resets both). */
 typedef struct {
     ktk_moe *moe;
     ktk_pool *pool;
@@ -99,7 +100,7 @@ typedef struct {
 } ktk_host_job;
 void ktk_host_submit(void *job);
 void ktk_host_sync(void *job);
-int ktk_host_error(int clear);
+int ktk_host_error(int clear, void **job);
 
 /* ---- pool trace (KTINJECT_POOL_TRACE=1 at pool creation): sums since the last read, then reset.
  * out[0] jobs, out[1] us from post to the first worker starting, out[2] us to the last worker

@@ -61,8 +61,11 @@ def test_failed_job_zeroes_output_and_is_reported():
     lib.ktk_host_submit(job)
     lib.ktk_host_sync(job)                # a no-op after a failed submit: nothing to wait for
     assert job.status == -2 and torch.count_nonzero(out) == 0
-    with pytest.raises(NativeError, match="expert id out of range"):
-        hostfn.raise_pending("layer 3")
+    _, ffi = native.load()
+    hostfn._NAMES[int(ffi.cast("uintptr_t", job))] = "model.layers.7.mlp.experts"   # what HostJob records
+    with pytest.raises(NativeError, match=r"model\.layers\.7\.mlp\.experts: .*expert id out of range"):
+        hostfn.raise_pending("model.layers.8.mlp.experts")    # reported at a later layer's call, naming the failed one
+    hostfn._NAMES.pop(int(ffi.cast("uintptr_t", job)))
     hostfn.raise_pending()                # reported once, then clear
     # the layer still works afterwards
     ok = torch.tensor([[0, 7]])

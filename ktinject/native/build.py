@@ -69,7 +69,7 @@ typedef struct {
 } ktk_host_job;
 void ktk_host_submit(void *job);
 void ktk_host_sync(void *job);
-int ktk_host_error(int clear);
+int ktk_host_error(int clear, void **job);
 int ktk_pool_trace(ktk_pool *p, double *out, int n);
 int ktk_pool_pin_outside(ktk_pool *p);
 """

@@ -22,6 +22,8 @@ into a `NativeError` (cpu_experts calls it on each call, the generation engine a
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import NativeError
@@ -43,20 +45,26 @@ def available() -> bool:
         return False
 
 
+_NAMES: dict[int, str] = {}          # address of a HostJob's C record -> the layer it belongs to
+
+
 def raise_pending(where: str = "") -> None:
-    """Raise the first failure of a host-driven job since the last check (and clear it)."""
-    lib, _ = load()
-    rc = int(lib.ktk_host_error(1))
+    """Raise the first failure of a host-driven job since the last check (and clear it), naming
+    the layer whose job failed (`where`, the caller, when the job is not known)."""
+    lib, ffi = load()
+    job = ffi.new("void **")
+    rc = int(lib.ktk_host_error(1, job))
     if rc:
         from . import _ERRORS
-        raise NativeError(f"{where or 'cpu_experts'}: a stream-ordered MoE job failed on the CPU: "
+        name = _NAMES.get(int(ffi.cast("uintptr_t", job[0])), "") or where or "cpu_experts"
+        raise NativeError(f"{name}: a stream-ordered MoE job failed on the CPU: "
                           f"{_ERRORS.get(rc, f'error {rc}')} (its output was zeroed)")
 
 
 class HostJob:
     """Pinned buffers, a device output buffer and the C job record of one layer at batch T."""
 
-    def __init__(self, kernel, T: int, k: int, device: torch.device):
+    def __init__(self, kernel, T: int, k: int, device: torch.device, name: str = ""):
         lib, ffi = load()
         H = kernel.hidden
         self.T, self.k, self.hidden, self.device = T, k, H, device
@@ -75,6 +83,9 @@ class HostJob:
         self.job = job
         self._kernel = kernel                     # the C layer must outlive the job record
         self._job_addr = int(ffi.cast("uintptr_t", job))
+        if name:
+            _NAMES[self._job_addr] = name
+            weakref.finalize(self, _NAMES.pop, self._job_addr, None)
         self._submit = int(ffi.cast("uintptr_t", ffi.addressof(lib, "ktk_host_submit")))
         self._sync = int(ffi.cast("uintptr_t", ffi.addressof(lib, "ktk_host_sync")))
 

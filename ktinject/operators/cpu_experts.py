@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import LoadError, ModelError, NativeError, UnsupportedQuantError
 from ..weights.tensor import FusedTensor, GGMLTensor, logical_shape
 from .base import BuildContext, Operator
-from .experts import EXPERT_CLASSES as FUSED_EXPERT_CLASSES
+from .experts import EXPERT_CLASSES as FUSED_EXPERT_CLASSES, fused_expert_shape
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor
     return NATIVE_TYPES[quant], data.reshape(rows, -1).contiguous()
 
 
+_WARNED = False                          # the stream-ordered path's unavailability was reported
+
+
 def _env_off() -> bool:
     """KTINJECT_STREAM_ORDERED=0 turns the stream-ordered path off (A/B measurements)."""
     import os
@@ -115,20 +118,16 @@ class CpuExperts(Operator):
 
     @classmethod
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
-        gu, down = getattr(original, "gate_up_proj", None), getattr(original, "down_proj", None)
-        if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
-            raise ModelError(f"{ctx.name}: cpu_experts needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]; "
-                             f"{type(original).__name__} has none")
+        e, h, i = fused_expert_shape(original, ctx, "cpu_experts")
         act = getattr(ctx.config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ModelError(f"{ctx.name}: cpu_experts computes SiLU(gate) * up; the model uses {act!r}")
         if getattr(original, "has_bias", False):
             raise ModelError(f"{ctx.name}: cpu_experts has no expert biases")
-        e, two_i, h = (int(s) for s in gu.shape)
         from .. import native
         if not native.available():
             raise NativeError(f"{ctx.name}: {native.missing_reason()}")
-        return cls(e, h, two_i // 2, ctx.options or CpuExpertsOptions(), ctx.name)
+        return cls(e, h, i, ctx.options or CpuExpertsOptions(), ctx.name)
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
@@ -222,7 +221,20 @@ class CpuExperts(Operator):
         if not self.options.stream_ordered or _env_off():
             return False
         from ..native import hostfn
-        return hostfn.available()
+        if hostfn.available():
+            return True
+        if torch.cuda.is_available():         # wanted and on a GPU machine, but unusable: say why, once
+            global _WARNED
+            if not _WARNED:
+                _WARNED = True
+                try:
+                    hostfn.driver()
+                    why = "the native library is missing"
+                except NativeError as exc:
+                    why = str(exc)
+                log.warning("cpu_experts: stream-ordered decode is off (%s); routed experts are handed over "
+                            "from Python and decode runs without a CUDA graph", why)
+        return False
 
     def _stream_job(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
         """The HostJob for these inputs, or None when they take the Python-driven path."""
@@ -235,7 +247,7 @@ class CpuExperts(Operator):
         job = self._jobs.get(key)
         if job is None:
             from ..native import hostfn
-            job = self._jobs[key] = hostfn.HostJob(self.kernel, T, k, hidden_states.device)
+            job = self._jobs[key] = hostfn.HostJob(self.kernel, T, k, hidden_states.device, self.name)
         return job
 
     def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:

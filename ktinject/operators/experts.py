@@ -51,6 +51,17 @@ def grouped_experts(x, idx, wts, slot_of, linear_gu, linear_dn, act, n_local) ->
     return out
 
 
+def fused_expert_shape(original: nn.Module, ctx: BuildContext, op: str) -> tuple[int, int, int]:
+    """(E, H, I) of a transformers fused `*Experts` module (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]); a ModelError naming the module when it has no such weights."""
+    gu, down = getattr(original, "gate_up_proj", None), getattr(original, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
+        raise ModelError(f"{ctx.name}: {op} needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]; "
+                         f"{type(original).__name__} has none")
+    e, two_i, h = (int(s) for s in gu.shape)
+    return e, h, two_i // 2
+
+
 @register("experts")
 class TorchExperts(Operator):
     Options = NoOptions
@@ -74,13 +85,9 @@ class TorchExperts(Operator):
 
     @classmethod
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
-        gu, down = getattr(original, "gate_up_proj", None), getattr(original, "down_proj", None)
-        if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3):
-            raise ModelError(f"{ctx.name}: the experts operator needs 3-D gate_up_proj [E, 2I, H] and "
-                             f"down_proj [E, H, I]; {type(original).__name__} has none")
-        e, two_i, h = gu.shape
+        e, h, i = fused_expert_shape(original, ctx, "the experts operator")
         act = getattr(ctx.config, "hidden_act", "silu")
-        return cls(int(e), int(h), int(two_i) // 2, act, ctx.device, ctx.dtype or gu.dtype)
+        return cls(e, h, i, act, ctx.device, ctx.dtype or original.gate_up_proj.dtype)
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
         from ..load import fetch_dense

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .base import BuildContext, Operator
-from .experts import EXPERT_CLASSES, grouped_experts
+from .experts import EXPERT_CLASSES, fused_expert_shape, grouped_experts
 from .kernels import int4_pack
 from .registry import register
 
@@ -170,14 +170,10 @@ class GpuExperts(Operator):
 
     @classmethod
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
-        gu, down = getattr(original, "gate_up_proj", None), getattr(original, "down_proj", None)
-        if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3):
-            raise ModelError(f"{ctx.name}: gpu_experts needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]; "
-                             f"{type(original).__name__} has none")
-        e, two_i, h = (int(s) for s in gu.shape)
+        e, h, i = fused_expert_shape(original, ctx, "gpu_experts")
         ids = select_gpu_experts(ctx.name, ctx.config, e, ctx.options)
         act = getattr(ctx.config, "hidden_act", "silu")
-        return cls(e, h, two_i // 2, act, ctx.options, ids, ctx.device, ctx.dtype or gu.dtype, ctx.name)
+        return cls(e, h, i, act, ctx.options, ids, ctx.device, ctx.dtype or original.gate_up_proj.dtype, ctx.name)
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:

@@ -57,6 +57,7 @@ from gguf import GGMLQuantizationType as QT
 from torch import nn
 
 from ..errors import ModelError, NativeError
+from ..weights.quants import _f16, k_scale_min
 from .base import BuildContext, Operator
 from .cpu_experts import CpuExperts, CpuExpertsOptions
 from .registry import register
@@ -524,11 +525,6 @@ def _const(values: tuple, device: torch.device) -> torch.Tensor:
     return _CONSTS[key]
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 2] -> float32 [..., 1] (little-endian fp16)."""
-    return b.contiguous().view(torch.float16).float()
-
-
 def _nibbles_into(qs: torch.Tensor, q: torch.Tensor) -> None:
     """uint8 qs [..., m] -> q [..., 2, m]: low nibbles, then high nibbles."""
     torch.bitwise_and(qs, 0x0F, out=q[..., 0, :])
@@ -538,10 +534,7 @@ def _nibbles_into(qs: torch.Tensor, q: torch.Tensor) -> None:
 def _dq_q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     lead = b.shape[:-1]
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])                            # [..., 1]
-    s = b[..., 4:16].unflatten(-1, (3, 4))
-    sd, sm, smd = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = torch.cat((sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30)), dim=-1)      # [..., 8]
-    mn = torch.cat((sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30)), dim=-1)
+    sc, mn = k_scale_min(b[..., 4:16])                                          # [..., 8] each
     dl = (d * sc.float()).unflatten(-1, (4, 2, 1))                            # sub-block 2c+h
     ml = (dmin * mn.float()).unflatten(-1, (4, 2, 1))
     qs = b[..., 16:].unflatten(-1, (4, 32))                                   # [..., 4, 32]

@@ -181,10 +181,9 @@ class MXFP4(QuantType, qtype=QT.MXFP4, block_size=32, type_size=17):
 # ---------------------------------------------------------------- K-quants (256-value super-blocks)
 
 def k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K 12 packed bytes -> 8 six-bit scales and 8 six-bit mins, uint8 [n, 8] each."""
-    n = scales.shape[0]
-    s = scales.reshape(n, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    """Q4_K/Q5_K 12 packed bytes [..., 12] -> 8 six-bit scales and 8 six-bit mins, uint8 [..., 8] each."""
+    s = scales.unflatten(-1, (3, 4))
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
     return sc, mn
