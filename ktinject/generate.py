@@ -4,7 +4,8 @@ decode, sampling, EOS and stop strings, and prefill / decode tokens per second.
 * Cache: a transformers `StaticCache` sized up front (prompt + max_new_tokens, rounded up) for
   the model's own attention layers; modules with their own cache (`mla_attention`) get
   `reserve(batch, length)` before the first token. Positions are always passed explicitly.
-* Prefill runs in chunks of `chunk_size` tokens under `ktinject.phase.use("prefill")`; only
+* Prefill runs in chunks of `chunk_size` tokens (512, or more when an operator asks for it:
+  `prefill_chunk_size`) under `ktinject.phase.use("prefill")`; only
   the last token's logits are computed (`logits_to_keep=1`).
 * Decode runs under `use("generate")`, one token per step. With `cuda_graph="auto"` the step is
   captured once (after one eager step) in a CUDA graph and replayed per token when the model can
@@ -39,6 +40,15 @@ class GenerationResult:
     stop_reason: str = "length"          # "length" | "eos" | "stop"
     decode_mode: str = "eager"           # "cuda-graph" or "eager (<why>)"
     cache: str = "static"                # "static" | "dynamic"
+    steady_seconds: float = 0.0          # decode steps from the third on (after the eager step and capture)
+    steady_tokens: int = 0               # the tokens those steps produced
+
+    @property
+    def steady_decode_tokens_per_s(self) -> float:
+        """Decode speed once warm (the first decode step runs eagerly and the graph is captured
+        before the second: both are one-time costs, as llama-bench's warm-up run is)."""
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 and self.steady_tokens \
+            else float("nan")
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -114,6 +124,16 @@ def _host_embedding(model, device: torch.device) -> Optional[torch.nn.Module]:
     emb = model.get_input_embeddings()
     devs = {p.device for p in emb.parameters()}
     return emb if devs and devs != {device} else None
+
+
+DEFAULT_CHUNK = 512
+
+
+def prefill_chunk_size(model) -> int:
+    """The prefill chunk (tokens) when the caller gives none: 512, or more when an operator asks
+    for it through `prefill_chunk_tokens` (streamed_experts: every chunk moves the experts again)."""
+    hints = [getattr(m, "prefill_chunk_tokens", 0) for m in model.modules()]
+    return max([DEFAULT_CHUNK] + [h for h in hints if isinstance(h, int)])
 
 
 def _graph_blocker(model, device: torch.device) -> Optional[str]:
@@ -260,7 +280,7 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
                     stop: Sequence[str] = (), result: Optional[dict] = None, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                    seed: Optional[int] = None, chunk_size: int = 512, cuda_graph: str = "auto",
+                    seed: Optional[int] = None, chunk_size: Optional[int] = None, cuda_graph: str = "auto",
                     max_cache_len: Optional[int] = None, static_cache: bool = True) -> Iterator[str]:
     """Yield decoded text pieces as tokens come. Fills `result` with the GenerationResult fields.
 
@@ -269,6 +289,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     """
     if cuda_graph not in ("auto", "off", "require"):
         raise ValueError(f"cuda_graph must be auto, off or require, got {cuda_graph!r}")
+    if chunk_size is None:
+        chunk_size = prefill_chunk_size(model)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     opts = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
@@ -302,6 +324,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
 
     tokens: list[int] = []
     emitted, reason, text = 0, "length", ""
+    decodes, t_steady, steady_from = 0, None, 0
     tok = first
     with _phase("generate"):
         for step in range(max_new_tokens):
@@ -334,16 +357,22 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
                         raise
                     log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             history = torch.cat([history, nxt.view(1)])
+            if step == 2:
+                t_steady, steady_from = time.perf_counter(), decodes
             logits = stepper.decode(nxt, pos)
+            decodes += 1
             nxt = sample_next(logits[0], history, opts, gen)
             tok = _wait_int(nxt)
+    t_loop = time.perf_counter()
     _raise_host_errors()
     if len(text) > emitted:
         yield text[emitted:]
     t2 = time.perf_counter()
     if result is not None:
         result.update(text=text, token_ids=tokens, prompt_tokens=n_prompt, prefill_seconds=t1 - t0,
-                      decode_seconds=t2 - t1, stop_reason=reason, decode_mode=mode, cache=cache_kind)
+                      decode_seconds=t2 - t1, stop_reason=reason, decode_mode=mode, cache=cache_kind,
+                      steady_seconds=t_loop - t_steady if t_steady is not None else 0.0,
+                      steady_tokens=decodes - steady_from if t_steady is not None else 0)
 
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,

@@ -102,6 +102,18 @@ void ktk_host_submit(void *job);
 void ktk_host_sync(void *job);
 int ktk_host_error(int clear, void **job);
 
+/* ---- doorbells (hostjob.c): the same jobs rung by the GPU through flags in page-locked memory
+ * (cuStreamWriteValue32 / cuStreamWaitValue32) instead of host functions. flags[0] is `go` (set
+ * by the GPU, cleared by the dispatcher thread), flags[16] is `done` (set by the dispatcher after
+ * the job, cleared by the GPU). ktk_bell_poll runs the armed jobs whose `go` is set (the thread's
+ * loop; tests call it too); ktk_bell_rings counts the jobs run so; ktk_bell_thread says whether
+ * the dispatcher runs. */
+int ktk_bell_add(ktk_host_job *job, uint32_t *flags);
+int ktk_bell_remove(ktk_host_job *job);
+int ktk_bell_poll(void);
+long ktk_bell_rings(void);
+int ktk_bell_thread(void);
+
 /* ---- pool trace (KTINJECT_POOL_TRACE=1 at pool creation): sums since the last read, then reset.
  * out[0] jobs, out[1] us from post to the first worker starting, out[2] us to the last worker
  * starting, out[3] us from post to done, out[4] us the caller spent in wait, out[5..7] us from

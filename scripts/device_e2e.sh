@@ -13,8 +13,8 @@ steps=" ${*:-tests v2lite} "
 python3 -m ktinject.native.build 2>&1 | tail -2
 python3 -m ktinject doctor 2>&1 | tee "$OUT/doctor.txt"
 if [[ $steps == *" gputests "* ]]; then   # only the tests changed since the last full run
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_load_devices.py tests/test_hostjob.py \
-    tests/test_overlays.py tests/test_gpu_experts.py tests/test_generate_engine.py ${GPU_TESTS:-} 2>&1 | tee "$OUT/gputests.log" | tail -15
+  timeout -s KILL 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_load_devices.py tests/test_hostjob.py \
+    tests/test_overlays.py tests/test_gpu_experts.py tests/test_generate_engine.py tests/test_streamed_experts.py ${GPU_TESTS:-} 2>&1 | tee "$OUT/gputests.log" | tail -15
 fi
 if [[ $steps == *" tests "* ]]; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore::FutureWarning --continue-on-collection-errors tests \
@@ -25,11 +25,11 @@ bench() {   # name arch rules [extra bench args]
   local name=$1 arch=$2 rules=$3; shift 3
   [ -f /tmp/$name.gguf ] || timeout 200 python3 -m ktinject synth --arch "$arch" --recipe q4_k_m --no-progress \
     --threads 16 /tmp/$name.gguf 2>&1 | tail -1
-  timeout ${BENCH_TIMEOUT:-200} python3 -m ktinject bench /tmp/$name.gguf --rules "$rules" --json "$@" \
+  timeout -s KILL ${BENCH_TIMEOUT:-200} python3 -m ktinject bench /tmp/$name.gguf --rules "$rules" --json "$@" \
     2> "$OUT/bench_${name}_${rules}.err" | tee "$OUT/bench_${name}_${rules}.json"
   tail -3 "$OUT/bench_${name}_${rules}.err"
 }
-[[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --decode-tokens 32
+[[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --prompt-lengths 512,2048 --decode-tokens 64
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
 if [[ $steps == *" profile "* ]]; then   # the hybrid decode step, broken down (full V2-Lite shape)
@@ -43,12 +43,12 @@ fi
 if [[ $steps == *" decodeab "* ]]; then   # A/B of the pool knobs on the graph decode step (one process each)
   [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
     --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
-  KTINJECT_THREADS=15 timeout 150 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph --bisect 2>&1 \
-    | grep -E "decode|machine|threads over|CPU layers" | cut -c1-700
-  for cfg in "KTINJECT_SPIN_US=0" "KTINJECT_SPIN_US=20000" "KTINJECT_MULTIROW=0"; do
+  timeout -s KILL 150 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph,eager ${PROFILE_ARGS:-} 2>&1 \
+    | grep -E "decode|machine|CPU layers|signalled" | cut -c1-700
+  for cfg in ${DECODEAB:-KTINJECT_HOSTJOB_SIGNAL=bell KTINJECT_HOSTJOB_SKIP=1 KTINJECT_HOSTJOB_SKIP=2}; do
     echo "== $cfg"
-    env $cfg timeout 120 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph --no-layers 2>&1 \
-      | grep -E "decode|machine|threads over" | cut -c1-700
+    env $cfg timeout -s KILL 100 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph --no-layers 2>&1 \
+      | grep -E "decode|machine|signalled" | cut -c1-700
   done
 fi
 if [[ $steps == *" convert "* ]]; then   # ktinject convert of a full-size random HF directory (16B parameters)

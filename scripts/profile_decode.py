@@ -10,6 +10,9 @@ DeepSeek-V2 hybrid pack). Run on the lent machine (`bash scripts/device_e2e.sh p
 3. the same CPU layers alone, back to back with random routing, on the model's memory-mapped
    weights and on copies of them in anonymous memory (memory-type effects);
 4. the machine's transparent-huge-page setting.
+
+With KTINJECT_HOSTJOB_SKIP=1 the stream-ordered jobs return zeros at once: the decode step is
+then its GPU work and host-node round trips alone (the time the CPU experts add is the rest).
 """
 import argparse
 import os
@@ -167,6 +170,7 @@ def main():
     ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--modes", default="graph,eager,python", help="of graph, eager, python")
     ap.add_argument("--no-layers", action="store_true", help="skip the CPU-layers-alone loops")
+    ap.add_argument("--prompt", type=int, default=8, help="prompt tokens (<= 16: decode-sized jobs only)")
     ap.add_argument("--bisect", action="store_true",
                     help="also run the layers through host-function nodes only (graph and eager), no model")
     args = ap.parse_args()
@@ -181,7 +185,9 @@ def main():
     ks = kernels(model)
     pool = ks[0].pool
     print(f"{len(ks)} CPU MoE layers, {pool.threads} threads, isa {native.isa()}")
-    prompt = list(range(3, 131))
+    # a short prompt: its prefill jobs are stream-ordered decode-sized jobs too, so the pool trace's
+    # averages are the decode layers' (a long prompt's few large jobs would dominate them)
+    prompt = list(range(3, 3 + args.prompt))
     modes = {"graph": ("graph + stream-ordered", {}, "auto"), "eager": ("eager + stream-ordered", {}, "off"),
              "python": ("eager, Python-driven", {"KTINJECT_STREAM_ORDERED": "0"}, "auto")}
     for label, env, graph in (modes[m] for m in args.modes.split(",")):
@@ -194,6 +200,9 @@ def main():
             dt = time.perf_counter() - t0
             print(f"{label} threads over {dt:.2f} s:", busy_threads(before, thread_cpu(), dt))
             print(f"{label} machine: {counters_delta(counters, cpu_counters(), dt)}")
+            signals = sorted({j.signal for m in model.modules() for j in getattr(m, "_jobs", {}).values()
+                              if hasattr(j, "signal")})
+            print(f"{label}: jobs signalled by {signals or 'python'}, {native.load()[0].ktk_bell_rings()} bell rings")
             print(f"{label}: decode {r.decode_tokens_per_s:.1f} tok/s ({1e3 / r.decode_tokens_per_s:.2f} ms/token, "
                   f"{r.decode_mode}); per layer: {trace(pool)}")
         finally:
@@ -205,6 +214,8 @@ def main():
             ms = host_node_loop(ks, graph=graph)
             print(f"CPU layers through host nodes only ({'graph' if graph else 'eager'}): {ms:.3f} ms per layer; "
                   f"{trace(pool)}")
+    if args.torch_profile:
+        torch_profile(model, tok, prompt)
     if args.no_layers:
         return
     ms = layer_loop(ks)
@@ -213,11 +224,27 @@ def main():
     ms = layer_loop(anon)
     print(f"CPU layers alone, anonymous copies: {ms:.3f} ms per layer; {trace(pool)}")
     del anon
-    if args.torch_profile:
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def torch_profile(model, tok, prompt, tokens=16):
+    """GPU kernels of the decode step, graph and eager: kernel time per token against the step's
+    wall time (launch- or dependency-bound when the kernels sum to much less), and the kernels
+    that take it, with their launches per token."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for graph in ("auto", "off"):
+        generate(model, tok, prompt, max_new_tokens=4, cuda_graph=graph)
         with torch.profiler.profile(activities=acts) as prof:
-            generate(model, tok, prompt, max_new_tokens=16)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48))
+            r = generate(model, tok, prompt, max_new_tokens=tokens + 1, cuda_graph=graph)
+        rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+                or getattr(e, "self_device_time_total", 0) > 0]
+        dev = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+        total = sum(dev(e) for e in rows)
+        n = tokens + 1 + len(prompt) // max(len(prompt), 1)      # decode steps + the prefill step
+        print(f"torch profile ({r.decode_mode}): {r.decode_tokens_per_s:.1f} tok/s, {1e3 / r.decode_tokens_per_s:.2f} "
+              f"ms/token wall; GPU kernels {total / 1e3 / n:.2f} ms per step, {sum(e.count for e in rows) / n:.0f} "
+              f"kernels per step")
+        for e in sorted(rows, key=dev, reverse=True)[:25]:
+            print(f"  {dev(e) / 1e3 / n:7.3f} ms/step {e.count / n:6.1f}x  {e.key[:110]}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ def test_greedy_equals_reference(family, chunk):
     assert res.prompt_tokens == len(PROMPT) and res.stop_reason == "length"
     assert res.cache == "static" and res.decode_mode.startswith("eager (not on CUDA")
     assert res.prefill_tokens_per_s > 0 and res.decode_tokens_per_s > 0
+    if len(res.token_ids) > 3:           # steps from the third on: every later decode call
+        assert res.steady_tokens == len(res.token_ids) - 3 and 0 < res.steady_seconds < res.decode_seconds
+        assert res.steady_decode_tokens_per_s > 0
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])

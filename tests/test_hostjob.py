@@ -112,3 +112,103 @@ def test_reloading_weights_drops_jobs_bound_to_the_old_kernel():
     op._loaded_prefix = None              # force a real reload
     op.load_weights("e.", src)
     assert op._jobs == {}
+
+
+def _ring(flags, timeout=10.0):
+    """Do what the GPU stream does around a job: set `go`, wait for `done`, clear it."""
+    import time
+    flags[0] = 1
+    t0 = time.monotonic()
+    while int(flags[16]) != 1:
+        assert time.monotonic() - t0 < timeout, "the dispatcher never rang done"
+        time.sleep(1e-4)
+    assert int(flags[0]) == 0             # the dispatcher cleared go before running
+    flags[16] = 0
+
+
+def test_doorbells_run_jobs_on_the_dispatcher_thread():
+    """Doorbell jobs (no host functions): the native dispatcher thread sees `go`, runs the layer,
+    sets `done`; the same flags serve every ring (as a replayed CUDA graph's constant writes);
+    a failed job still rings `done` with zeros and is reported; a removed bell is not run."""
+    from ktinject.native import hostfn
+    kernel = _kernel()
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 64, generator=g), torch.rand(2, 2, generator=g)
+    ids = torch.randint(0, 8, (2, 2), generator=g)
+    out = torch.full_like(x, float("nan"))
+    lib, job = _job(kernel, x, ids, w, out)
+    flags = torch.zeros(32, dtype=torch.int32)
+    _, ffi = native.load()
+    assert lib.ktk_bell_add(job, ffi.cast("uint32_t *", flags.data_ptr())) == 0
+    assert lib.ktk_bell_add(job, ffi.cast("uint32_t *", flags.data_ptr())) == -1     # armed twice: refused
+    try:
+        assert lib.ktk_bell_thread() == 1
+        rings = lib.ktk_bell_rings()
+        ref = kernel.forward(x, ids, w)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            _ring(flags)
+            assert torch.equal(out, ref)
+        assert lib.ktk_bell_rings() == rings + 3
+        ids[1, 0] = 99                                        # out of range: the job fails
+        _ring(flags)
+        assert torch.count_nonzero(out) == 0
+        with pytest.raises(NativeError, match="expert id out of range"):
+            hostfn.raise_pending()
+    finally:
+        assert lib.ktk_bell_remove(job) == 1
+    assert lib.ktk_bell_remove(job) == 0
+    flags[0] = 1                                              # not armed any more: nobody answers
+    import time
+    time.sleep(0.02)
+    assert int(flags[16]) == 0 and int(flags[0]) == 1
+
+
+def test_signal_mode_choice(monkeypatch):
+    from ktinject.native import hostfn
+    monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", "doorbell")
+    with pytest.raises(NativeError, match="KTINJECT_HOSTJOB_SIGNAL"):
+        hostfn.signal_mode(torch.device("cuda", 0))
+    monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", "hostfn")
+    assert hostfn.signal_mode(torch.device("cuda", 0)) == "hostfn"
+    for v, level in (("0", 0), ("1", 1), ("2", 2), ("x", 0)):
+        monkeypatch.setenv("KTINJECT_HOSTJOB_SKIP", v)
+        assert hostfn._skip_level() == level
+
+
+@pytest.mark.gpu
+def test_gpu_doorbells_work_and_are_chosen(monkeypatch):
+    """On a GPU: the self-test passes, auto picks doorbells (the default stays host functions), and a stream-driven job (eager
+    and replayed from a graph) equals the Python-driven layer."""
+    from ktinject.native import hostfn
+    assert hostfn.bells_usable(torch.device("cuda")) is None
+    monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", "auto")
+    assert hostfn.signal_mode(torch.device("cuda")) == "bell"
+    monkeypatch.delenv("KTINJECT_HOSTJOB_SIGNAL")
+    assert hostfn.signal_mode(torch.device("cuda")) == "hostfn"          # the default
+    monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", "bell")
+    kernel = _kernel()
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 64, generator=g), torch.rand(1, 2, generator=g)
+    ids = torch.randint(0, 8, (1, 2), generator=g)
+    ref = kernel.forward(x, ids, w)
+    job = hostfn.HostJob(kernel, 1, 2, dev, "test.layer")
+    assert job.signal == "bell"
+    xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
+
+    def step():
+        job.submit(xd, idd, wd)
+        return job.sync() * 1.0
+    out = step()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = step()
+    for i in range(3):
+        xd.copy_(x * (i + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(gout.cpu(), kernel.forward(x * (i + 1), ids, w), rtol=0, atol=0)
+    hostfn.raise_pending()

@@ -34,7 +34,9 @@ def test_hybrid_pack_layout(family):
     assert not any(".mlp.experts." in e.name for e in p.entries)
     assert all(e.device == "cuda" for e in p.entries if ".self_attn" in e.name)
     assert by["lm_head"].op == "linear" and by["lm_head"].device == "cuda"
-    assert by["model.norm"].device == "cuda" and by["model.norm"].rule is None     # from defaults
+    assert by["model.norm"].device == "cuda" and by["model.norm"].op == "rms_norm"     # defaults' device
+    norms = [e for e in p.entries if e.name.endswith("norm")]
+    assert len(norms) > 2 * config.num_hidden_layers and all(e.op == "rms_norm" and e.device == "cuda" for e in norms)
     for e in p.entries:
         if "shared_expert" in e.name:
             assert e.device == "cuda"

@@ -85,7 +85,8 @@ def test_options_validate():
     for bad, match in (({"min_tokens": 0}, "min_tokens"), ({"chunk_mb": 0}, "chunk_mb"),
                        ({"backend": "cutlass"}, "backend"), ({"quant": "q3_k"}, "quant"),
                        ({"threads": 1.5}, "threads"), ({"isa": "neon"}, "isa"),
-                       ({"gather_threads": -1}, "gather_threads"), ({"register_host": "yes"}, "register_host")):
+                       ({"gather_threads": -1}, "gather_threads"), ({"register_host": "yes"}, "register_host"),
+                       ({"host_memory": "locked"}, "host_memory")):
         with pytest.raises(ValueError, match=match):
             Op.Options(**bad)
     with pytest.raises(RuleError, match="min_token"):
@@ -154,6 +155,25 @@ def test_below_threshold_and_cpu_inputs_use_the_cpu_kernel(family):
         assert op.last_path == "cpu" and out.shape == ref.shape and out.dtype == ref.dtype
         assert rel_err(out, ref) < 1e-2, (family, T)
     assert op.calls == {"cpu": 3, "stream": 0}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+def test_host_memory_without_cuda():
+    """auto and mapped keep the weights where they were loaded (no page-locked memory without
+    CUDA); pinned is an error naming the module and the way out."""
+    for mode in ("auto", "mapped"):
+        _, _, op = _op("qwen3_moe", host_memory=mode)
+        assert op._upload is None and "gathered" in repr(op)
+    with pytest.raises(ModelError, match="host_memory: pinned needs CUDA"):
+        _op("qwen3_moe", host_memory="pinned")
+
+
+def test_engine_prefill_chunk_follows_the_operator():
+    from ktinject.generate import DEFAULT_CHUNK, prefill_chunk_size
+    model, orig, op = _op("qwen3_moe")
+    assert prefill_chunk_size(torch.nn.Sequential(orig)) == DEFAULT_CHUNK == 512
+    assert prefill_chunk_size(torch.nn.Sequential(orig, op)) == se.PREFILL_CHUNK >= 4096
+    assert op.supports_cuda_graph == op.cpu_experts.supports_cuda_graph
 
 
 def test_async_pair_and_errors():
@@ -296,9 +316,22 @@ def test_gpu_stream_path_direct():
         assert rel_err(out.float().cpu(), ref) < (3e-2 if expect == "stream" else 5e-2), expect
     st = se.staging_for(torch.device("cuda"))
     assert st.dev[0] is not None and st.dev[0].is_cuda
-    # heap weights (not a file mapping) are gathered: registering their pages would lock pages
-    # shared with other allocations (test_only_file_mapped_pages_are_registered)
-    assert op.calls == {"cpu": 1, "stream": 1} and op.last_upload_mode == "gathered", se._HOST.disabled
+    # host_memory auto: the layer's weights were copied to page-locked memory at load, so the
+    # upload is by DMA straight from them; the CPU kernel (T=8 above) reads the mapping
+    assert all(se.is_page_locked_copy(m.data) for m in op._upload) and "page-locked copy" in repr(op)
+    assert not se.is_page_locked_copy(op.cpu_experts.kernel.gate.data)
+    assert op.calls == {"cpu": 1, "stream": 1} and op.last_upload_mode == "direct", op.last_upload
+    # host_memory mapped: heap weights (not a file mapping) are gathered: registering their pages
+    # would lock pages shared with other allocations (test_only_file_mapped_pages_are_registered)
+    mapped = Op.build(copy.deepcopy(block.experts).to("meta"),
+                      _ctx(model, Op.Options(threads=2, min_tokens=32, host_memory="mapped")))
+    mapped.load_weights("p.", {"p.gate_up_proj": gu, "p.down_proj": dn})
+    x = torch.randn(64, H)
+    ids, w = random_routing(64, E, k, seed=64)
+    out_m = mapped(x.to("cuda", torch.bfloat16), ids.cuda(), w.cuda())
+    out_p = op(x.to("cuda", torch.bfloat16), ids.cuda(), w.cuda())
+    assert mapped.last_upload_mode == "gathered" and mapped._upload is None
+    assert torch.equal(out_m, out_p)                   # the same bits whichever way they crossed
     # several chunks through both buffer pairs, both backends, f32 callers
     for backend in ("grouped_mm", "loop"):
         x = torch.randn(100, H)
@@ -331,6 +364,27 @@ def test_gpu_overlay_whole_model(family, tmp_path, monkeypatch):
     assert all(op.calls == {"cpu": 1, "stream": 1} for op in ops)
     assert se.staging_for(model.lm_head.weight.device).dev[0].is_cuda
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_moe"])
+def test_gpu_overlay_generate_graph_decode_between_stream_prefills(family, tmp_path):
+    """generate() with the overlay (threshold 8): the prompt streams the experts, decode replays a
+    CUDA graph through the CPU path, and a second generation streams again after the graph
+    exists; the tokens equal eager decoding's."""
+    from ktinject import optimize_and_load
+    from ktinject.generate import generate
+    model, tok = optimize_and_load(save_tiny(family, tmp_path / family), _overlay_rules(tmp_path, family))
+    ops = [m for m in model.modules() if isinstance(m, se.StreamedExperts)]
+    prompt = list(range(5, 45))
+    runs = []
+    for graph in ("auto", "off", "auto"):
+        before = [dict(op.calls) for op in ops]
+        r = generate(model, tok, prompt, max_new_tokens=12, cuda_graph=graph)
+        assert all(op.calls["stream"] > b["stream"] for op, b in zip(ops, before)), graph
+        runs.append(r)
+    assert runs[0].decode_mode == runs[2].decode_mode == "cuda-graph", runs[0].decode_mode
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
 
 
 @pytest.mark.gpu
@@ -506,7 +560,7 @@ def test_upload_modes_give_the_same_bits(types, monkeypatch):
             want = se.stream_moe(x, ids, w, *mats, staging=se.Staging(CPU), gather_threads=1, **run)
             assert rel_err(want, ref_moe(x, ids, w, G, U, D)) < 2e-2
             for variant, kw in (("gathered", {"gather_threads": 3}),
-                                ("registered", {"registry": se.HostRegistry(FakeHostApi(), page=4096, file_backed_only=False)}),
+                                ("direct", {"registry": se.HostRegistry(FakeHostApi(), page=4096, file_backed_only=False)}),
                                 ("mixed", {"registry": se.HostRegistry(FakeHostApi(fail_at=2), page=4096, file_backed_only=False)})):
                 st = {}
                 got = se.stream_moe(x, ids, w, *mats, staging=se.Staging(CPU), stats=st, **kw, **run)
@@ -651,7 +705,7 @@ def test_gpu_registered_upload_equals_gathered_and_the_cpu_path(types, tmp_path)
             b = se.stream_moe(x.cuda(), ids.cuda(), w.cuda(), *mats, chunk_bytes=chunk, register_host=False,
                               gather_threads=3, stats=st_g)
             torch.cuda.synchronize()
-            assert st_r["mode"] == "registered", reg.disabled
+            assert st_r["mode"] == "direct", reg.disabled
             assert st_g["mode"] == "gathered" and st_r["bytes"] == st_g["bytes"]
             # the same weights and math: only index_add_'s atomic float adds may order differently
             assert rel_err(a.cpu(), b.cpu()) < 1e-6, (T, chunk)

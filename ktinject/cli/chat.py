@@ -22,7 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill chunk size (tokens; default 512, or what the model's operators ask for)")
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

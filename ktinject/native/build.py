@@ -70,6 +70,11 @@ typedef struct {
 void ktk_host_submit(void *job);
 void ktk_host_sync(void *job);
 int ktk_host_error(int clear, void **job);
+int ktk_bell_add(ktk_host_job *job, uint32_t *flags);
+int ktk_bell_remove(ktk_host_job *job);
+int ktk_bell_poll(void);
+long ktk_bell_rings(void);
+int ktk_bell_thread(void);
 int ktk_pool_trace(ktk_pool *p, double *out, int n);
 int ktk_pool_pin_outside(ktk_pool *p);
 """

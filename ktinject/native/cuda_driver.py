@@ -3,6 +3,8 @@
 
 * host functions and async copies on a stream (`ktinject.native.hostfn`: stream-ordered CPU
   experts, capturable in CUDA graphs);
+* stream memory operations on page-locked words (`hostfn`'s doorbells: the same, without
+  host functions);
 * host memory registration (`streamed_experts`: DMA straight from a memory-mapped GGUF file).
 
 Driver calls, unlike the runtime's (`torch.cuda.cudart()`), leave no pending error behind for
@@ -18,6 +20,7 @@ from typing import Optional
 from ..errors import NativeError
 
 READ_ONLY, PORTABLE = 0x08, 0x01          # CU_MEMHOSTREGISTER_READ_ONLY | _PORTABLE
+WAIT_EQ = 0x1                             # CU_STREAM_WAIT_VALUE_EQ
 
 _lock = threading.Lock()
 _driver: Optional["CudaDriver"] = None
@@ -38,10 +41,19 @@ class CudaDriver:
         self._register = getattr(lib, "cuMemHostRegister_v2", None) or lib.cuMemHostRegister
         self._register.argtypes = [vp, ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [vp]
+        # stream memory operations (doorbells, hostfn.py): write / wait on a 32-bit word the GPU
+        # reaches in page-locked host memory
+        self.write_value32 = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        self.write_value32.argtypes = [vp, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.wait_value32 = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        self.wait_value32.argtypes = [vp, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._device_pointer = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
+        self._device_pointer.argtypes = [P(ctypes.c_uint64), vp, ctypes.c_uint]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, P(ctypes.c_char_p)]
         lib.cuCtxGetCurrent.argtypes = [P(vp)]
         for f in (self.launch_host_func, self.memcpy_dtoh_async, self.memcpy_htod_async, self._register,
-                  lib.cuMemHostUnregister, lib.cuGetErrorString, lib.cuCtxGetCurrent):
+                  lib.cuMemHostUnregister, lib.cuGetErrorString, lib.cuCtxGetCurrent, self.write_value32,
+                  self.wait_value32, self._device_pointer):
             f.restype = ctypes.c_int
         lib.cuInit(0)                                    # a no-op once torch initialized CUDA
 
@@ -77,6 +89,12 @@ class CudaDriver:
             return err
         rc = self._register(ctypes.c_void_p(ptr), nbytes, READ_ONLY | PORTABLE)
         return None if rc == 0 else self.error(rc)
+
+    def device_pointer(self, host_ptr: int) -> int:
+        """The device address of page-locked host memory (the same number under unified addressing)."""
+        out = ctypes.c_uint64()
+        self.check(self._device_pointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0), "cuMemHostGetDevicePointer")
+        return out.value
 
     def unregister(self, ptr: int) -> Optional[str]:
         rc = self.lib.cuMemHostUnregister(ctypes.c_void_p(ptr))

@@ -11,7 +11,22 @@ layer, and it cannot be part of a CUDA graph. Here the stream does the handing o
     copy out        -> a device buffer           (memcpy node)
 
 Python only records these operations, so it never blocks, and a CUDA graph captures them as
-they are: a decode step with CPU experts replays as one graph. The CUDA driver API is reached
+they are: a decode step with CPU experts replays as one graph.
+
+Two ways to signal the CPU (`signal_mode()`, env `KTINJECT_HOSTJOB_SIGNAL=hostfn|bell|auto`):
+
+* **hostfn** (the default): `cuLaunchHostFunc` nodes call `ktk_host_submit` / `ktk_host_sync` on
+  the driver's thread (the diagram above).
+* **bell** (opt-in; `auto` picks it where it works): no host functions. The stream sets a page-locked word
+  (`cuStreamWriteValue32`) after the input copies; the native dispatcher thread, polling the armed
+  jobs' words, runs the layer and sets a second word, which the stream waits for
+  (`cuStreamWaitValue32`) and clears before the output copy. A host function costs a round trip
+  through the driver's callback thread (an interrupt and a thread wake-up, each way); a doorbell
+  costs a few bus reads. Used after a self-test on the device (`bells_usable`): the operations
+  run, and a CUDA graph captures and replays them. Measured on the lent H200 + 16-core Xeon
+  (V2-Lite, docs/benchmarks.md): the round trips of a decode step without CPU work took 1.4 ms
+  instead of ~2.5, but with the experts computed decode was no faster (49.8 vs 51.9 tok/s): the
+  dispatcher spins a core, and the pool's last worker started later. Hence opt-in. The CUDA driver API is reached
 through ctypes (`libcuda.so.1`, present wherever a CUDA GPU is usable); the host functions are C
 functions of the native library (native/hostjob.c), so no Python runs on the driver's thread.
 
@@ -22,7 +37,9 @@ into a `NativeError` (cpu_experts calls it on each call, the generation engine a
 """
 from __future__ import annotations
 
+import os
 import weakref
+from typing import Optional
 
 import torch
 
@@ -61,6 +78,77 @@ def raise_pending(where: str = "") -> None:
                           f"{_ERRORS.get(rc, f'error {rc}')} (its output was zeroed)")
 
 
+SIGNALS = ("hostfn", "bell", "auto")
+_BELLS: dict[int, Optional[str]] = {}    # CUDA device index -> None (doorbells work there) or why not
+
+
+def _skip_level() -> int:
+    """KTINJECT_HOSTJOB_SKIP (measurement, scripts/profile_decode.py): 1 = jobs return zeros at
+    once; 2 = nothing is recorded at all (the step is the model's GPU work alone)."""
+    v = os.environ.get("KTINJECT_HOSTJOB_SKIP", "0").strip()
+    return int(v) if v in ("0", "1", "2") else 0
+
+
+def bells_usable(device: torch.device) -> Optional[str]:
+    """None when doorbells work on `device` (checked once per device: the stream operations on a
+    page-locked word run, and a CUDA graph captures and replays them), else why not."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx in _BELLS:
+        return _BELLS[idx]
+    from .cuda_driver import WAIT_EQ
+    why = None
+    try:
+        drv = driver()
+        word = torch.zeros(16, dtype=torch.int32, pin_memory=True)
+        addr = drv.device_pointer(word.data_ptr())
+
+        def ops(stream):
+            drv.check(drv.write_value32(stream, addr, 1, 0), "cuStreamWriteValue32")
+            drv.check(drv.wait_value32(stream, addr, 1, WAIT_EQ), "cuStreamWaitValue32")
+            drv.check(drv.write_value32(stream, addr + 4, 7, 0), "cuStreamWriteValue32")
+            drv.check(drv.write_value32(stream, addr, 0, 0), "cuStreamWriteValue32")
+        with torch.cuda.device(idx):
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                ops(side.cuda_stream)
+            side.synchronize()
+            if word[1].item() != 7:
+                raise NativeError("the stream's write did not reach host memory")
+            word[1] = 0
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ops(torch.cuda.current_stream().cuda_stream)
+            graph.replay()
+            graph.replay()
+            torch.cuda.synchronize()
+            if word[1].item() != 7 or word[0].item() != 0:
+                raise NativeError("a captured graph's writes did not reach host memory")
+    except Exception as exc:                       # any failure: use host functions instead
+        why = str(exc) or type(exc).__name__
+    _BELLS[idx] = why
+    return why
+
+
+def signal_mode(device: torch.device) -> str:
+    """"bell" or "hostfn" for jobs on `device` (KTINJECT_HOSTJOB_SIGNAL, default hostfn)."""
+    want = os.environ.get("KTINJECT_HOSTJOB_SIGNAL", "hostfn").strip().lower() or "hostfn"
+    if want not in SIGNALS:
+        raise NativeError(f"KTINJECT_HOSTJOB_SIGNAL={want!r} is not one of {', '.join(SIGNALS)}")
+    if want == "hostfn":
+        return "hostfn"
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _BELLS and torch.cuda.is_current_stream_capturing():
+        return "hostfn"                    # no self-test inside someone's capture (it captures too)
+    why = bells_usable(device)
+    if why is None:
+        return "bell"
+    if want == "bell":
+        raise NativeError(f"KTINJECT_HOSTJOB_SIGNAL=bell, but doorbells do not work on {device}: {why}")
+    return "hostfn"
+
+
 class HostJob:
     """Pinned buffers, a device output buffer and the C job record of one layer at batch T."""
 
@@ -88,25 +176,51 @@ class HostJob:
             weakref.finalize(self, _NAMES.pop, self._job_addr, None)
         self._submit = int(ffi.cast("uintptr_t", ffi.addressof(lib, "ktk_host_submit")))
         self._sync = int(ffi.cast("uintptr_t", ffi.addressof(lib, "ktk_host_sync")))
+        self.skip = _skip_level()
+        self.signal = signal_mode(device) if device.type == "cuda" else "hostfn"
+        if self.signal == "bell":
+            # flags[0]: go (set by the stream, cleared by the dispatcher); flags[16]: done (the reverse)
+            self.flags = torch.zeros(32, dtype=torch.int32, pin_memory=True)
+            rc = int(lib.ktk_bell_add(job, ffi.cast("uint32_t *", self.flags.data_ptr())))
+            if rc:
+                from . import _ERRORS
+                raise NativeError(f"{name or 'cpu_experts'}: arming the job's doorbell failed: "
+                                  f"{_ERRORS.get(rc, f'error {rc}')}")
+            weakref.finalize(self, lib.ktk_bell_remove, job)    # runs before the buffers go
+            with torch.cuda.device(device):
+                self._go = driver().device_pointer(self.flags.data_ptr())
+            self._done = self._go + 64
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Record: copy the inputs (device tensors of this job's shape) to the pinned buffers,
         then post the layer to the pool. x: [T, H] f32, ids: [T, k] i64, w: [T, k] f32."""
+        if self.skip == 2:
+            return
         drv = driver()
         with torch.cuda.device(self.device):        # the driver calls need this device's context
             stream = torch.cuda.current_stream(self.device).cuda_stream
             for dst, src in ((self.x, x), (self.ids, ids), (self.w, w)):
                 drv.check(drv.memcpy_dtoh_async(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream),
                           "cuMemcpyDtoHAsync")
-            drv.check(drv.launch_host_func(stream, self._submit, self._job_addr), "cuLaunchHostFunc")
+            if self.signal == "bell":
+                drv.check(drv.write_value32(stream, self._go, 1, 0), "cuStreamWriteValue32")
+            else:
+                drv.check(drv.launch_host_func(stream, self._submit, self._job_addr), "cuLaunchHostFunc")
 
     def sync(self) -> torch.Tensor:
         """Record: wait for the pool, copy the result to the device. Returns the device buffer
         (valid in stream order; the next call of this job overwrites it)."""
+        if self.skip == 2:
+            return self.out_dev
+        from .cuda_driver import WAIT_EQ
         drv = driver()
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream(self.device).cuda_stream
-            drv.check(drv.launch_host_func(stream, self._sync, self._job_addr), "cuLaunchHostFunc")
+            if self.signal == "bell":
+                drv.check(drv.wait_value32(stream, self._done, 1, WAIT_EQ), "cuStreamWaitValue32")
+                drv.check(drv.write_value32(stream, self._done, 0, 0), "cuStreamWriteValue32")
+            else:
+                drv.check(drv.launch_host_func(stream, self._sync, self._job_addr), "cuLaunchHostFunc")
             drv.check(drv.memcpy_htod_async(self.out_dev.data_ptr(), self.out.data_ptr(), self.out.numel() * 4, stream),
                       "cuMemcpyHtoDAsync")
         return self.out_dev

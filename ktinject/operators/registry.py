@@ -37,6 +37,7 @@ BUILTIN_MODULES = (
     "ktinject.operators.mla_attention",
     "ktinject.operators.gpu_experts",
     "ktinject.operators.streamed_experts",
+    "ktinject.operators.norm",
 )
 
 

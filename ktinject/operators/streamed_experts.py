@@ -16,10 +16,12 @@ of two paths:
   chunk's experts run as grouped GEMMs (`torch._grouped_mm`, or one matmul pair per expert).
   While the GPU dequantizes and multiplies chunk i, the copy engine moves chunk i+1.
 
-  Upload modes (`last_upload_mode`): **registered** (`register_host`, opt-in): at a layer's
-  first stream call the host pages of its expert tensors (the GGUF mapping itself) are registered
-  with CUDA, read-only (`cuMemHostRegister`), so the copies go by DMA straight from the mapping
-  and the CPU only queues them. **gathered** (registration off, or failed: one warning names the
+  Upload modes (`last_upload_mode`): **direct**: the copies go by DMA straight from page-locked
+  host memory and the CPU only queues them. That memory is either a page-locked copy of the
+  layer's weights made at load for the uploads alone (`host_memory`: `auto`, the default, makes
+  one on a CUDA machine while RAM allows, keeping a quarter of it free; `pinned` insists; `mapped`
+  never does; the CPU kernels keep reading the mapping), or the GGUF mapping's own pages registered with CUDA at the
+  layer's first stream call (`register_host`, opt-in, read-only `cuMemHostRegister`). **gathered** (registration off, or failed: one warning names the
   reason): `gather_threads` threads copy the rows into a pinned host buffer and each piece is
   queued as soon as it is there (the gather of chunk i+1 overlaps the copy of chunk i and the
   compute of chunk i-1). **mixed**: some matrices of the layer each way.
@@ -37,7 +39,13 @@ buffers of about `chunk_mb` MB each (plus two pinned host buffers of that size i
 the bf16 weights of one chunk, the dequantization temporaries and the routed activations;
 `staging_bytes()` gives the numbers (the plan cannot place them: the operator lives on the CPU
 and does not know its layer's GPU at plan time). Registered mode pins the weights' own pages
-(no extra memory); `release_host_memory()` (or dropping the operator) unregisters them.
+(no extra memory); `release_host_memory()` (or dropping the operator) unregisters them. A
+page-locked copy (`host_memory`) takes the layer's weight bytes again, in RAM that cannot be
+swapped (the CPU kernels read the file's pages, in the page cache).
+
+Decode (fewer than `min_tokens` tokens) takes the CPU path, so a CUDA graph captures it as it
+captures `cpu_experts`; the generation engine prefills in chunks of `PREFILL_CHUNK` tokens when a
+model has this operator (each chunk streams every layer's experts once).
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -65,6 +74,8 @@ from .registry import register
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "grouped_mm", "loop")
+HOST_MEMORY = ("auto", "pinned", "mapped")
+PREFILL_CHUNK = 8192               # the engine's prefill chunk with this operator: each chunk streams every layer again
 _ALIGN = 256                       # byte alignment of each matrix's region in a staging buffer
 _DEQUANT_VALUES = 1 << 26          # values dequantized per group of torch calls (bounds the temporaries)
 _PAGE = mmap.PAGESIZE
@@ -82,6 +93,8 @@ class StreamedExpertsOptions:
     register_host: bool = False          # copy by DMA from the weights' own (CUDA-registered) pages: opt-in,
     #                                      see docs/prefill.md (fast alone; one end-to-end run hung, unresolved)
     gather_threads: int = 0              # threads gathering rows into pinned buffers otherwise (0: min(8, CPUs))
+    host_memory: str = "auto"            # auto | pinned | mapped: where the layer's weights live in RAM (see
+    #                                      docs/prefill.md): pinned copies upload by DMA at the link's speed
     # passed to the owned cpu_experts:
     threads: int = 0
     quant: str = "bf16"
@@ -99,6 +112,8 @@ class StreamedExpertsOptions:
             raise ValueError(f"register_host must be true or false, got {self.register_host!r}")
         if self.gather_threads < 0:
             raise ValueError(f"gather_threads must be >= 0, got {self.gather_threads}")
+        if self.host_memory not in HOST_MEMORY:
+            raise ValueError(f"host_memory {self.host_memory!r} is not one of {', '.join(HOST_MEMORY)}")
         self.cpu_options()                                                     # validates the rest
 
     def cpu_options(self) -> CpuExpertsOptions:
@@ -245,6 +260,39 @@ class HostRegistry:
 _HOST = HostRegistry()
 _NO_OWNER: set = set()                       # stream_moe calls without an owner (never released)
 _WARNED: set = set()
+
+
+_PINNED: dict[int, int] = {}      # storage address -> bytes of the page-locked copies made for host_memory
+
+
+def is_page_locked_copy(t: torch.Tensor) -> bool:
+    """True when `t` lies in a page-locked copy made by host_memory (memory merely registered with
+    CUDA by someone else is not: its registration may cover only part of it)."""
+    return t.untyped_storage().data_ptr() in _PINNED
+
+
+def _page_locked_copy(t: torch.Tensor) -> torch.Tensor:
+    c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    ptr, n = c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()
+    _PINNED[ptr] = n
+    weakref.finalize(c.untyped_storage(), _PINNED.pop, ptr, None)
+    return c
+
+
+def pinnable_bytes() -> int:
+    """Bytes of expert weights that may still go into page-locked memory: what Linux reports
+    available, less a reserve of a quarter of RAM (at least 4 GiB) for everything else. Page-locked
+    memory cannot be swapped or reclaimed, so it is never taken to the last byte."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+        total, avail = info["MemTotal"], info["MemAvailable"]
+    except (OSError, KeyError, ValueError):
+        return 0
+    return avail - max(total // 4, 4 << 30)
 
 
 def _warn_once(msg: str) -> None:
@@ -457,7 +505,7 @@ def _upload_chunk(staging: Staging, s: int, chunk: list[int], mats, cuts, pool, 
                 for p0, p1 in _split(base + a, base + b, cut):
                     staging.direct(s, d + p0 - base - a, flat[p0 - base:p1 - base])
                     stats["copies"] += 1
-                stats["registered_bytes"] += b - a
+                stats["direct_bytes"] += b - a
             d += b - a
         size = n * m.rows * rb
         regions.append(dev[pos:pos + size].view(n * m.rows, rb))
@@ -648,8 +696,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, counts: list[int], backend: 
 
 
 def _mode(stats: dict) -> str:
-    r, g = stats["registered_bytes"], stats["gathered_bytes"]
-    return "mixed" if r and g else "registered" if r else "gathered"
+    r, g = stats["direct_bytes"], stats["gathered_bytes"]
+    return "mixed" if r and g else "direct" if r else "gathered"
 
 
 def stream_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate, up, down, *,
@@ -673,7 +721,7 @@ def stream_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate, up, 
     device = torch.device(device) if device is not None else x.device
     E, I, H = gate.n_experts, gate.rows, gate.cols
     T, k = ids.shape
-    st = {"registered_bytes": 0, "gathered_bytes": 0, "copies": 0, "chunks": 0}
+    st = {"direct_bytes": 0, "gathered_bytes": 0, "copies": 0, "chunks": 0}
     x = x.to(device, torch.bfloat16)                                          # [T, H]
     flat = ids.to(device).reshape(-1).long()                                  # [S = T*k] expert of each slot
     w = wts.to(device).reshape(-1).float()                                    # [S]
@@ -694,9 +742,13 @@ def stream_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate, up, 
     per_expert = sum(_aligned(m.rows * m.data.shape[1]) for m in mats)
     cap = max(1, min(E, chunk_bytes // per_expert))                           # experts per chunk
     reg = registry if registry is not None else (_HOST if register_host and device.type == "cuda" else None)
-    cuts: list[Optional[list[int]]] = [None, None, None]
+    # page-locked matrices (host_memory: pinned) are copied by DMA as they are, in one piece per run
+    cuts: list[Optional[list[int]]] = [[] if device.type == "cuda" and is_page_locked_copy(m.data) else None
+                                       for m in mats]
     if reg is not None:
         for i, m in enumerate(mats):
+            if cuts[i] is not None:
+                continue
             cuts[i] = reg.cover(m.data, _NO_OWNER if owner is None else owner,
                                 device.index if device.type == "cuda" else None, m.name or name)
         if any(c is None for c in cuts) and reg.disabled:
@@ -761,7 +813,7 @@ def stream_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate, up, 
         out.index_add_(0, tok[start:end], y.float() * ws[start:end, None])     # weighted sum over top-k
         start, o = end, o + n
     if stats is not None:
-        stats.update(st, mode=_mode(st), bytes=st["registered_bytes"] + st["gathered_bytes"])
+        stats.update(st, mode=_mode(st), bytes=st["direct_bytes"] + st["gathered_bytes"])
     return out
 
 
@@ -892,9 +944,10 @@ class StreamedExperts(Operator):
         self._pending = None
         self.calls = {"cpu": 0, "stream": 0}      # calls per path (bench and tests)
         self.last_path: Optional[str] = None
-        self.last_upload_mode: Optional[str] = None   # registered | gathered | mixed (stream path)
+        self.last_upload_mode: Optional[str] = None   # direct | gathered | mixed (stream path)
         self.last_upload: dict = {}               # the last stream call's upload facts (bytes, copies, chunks)
         self._host_keys: set = set()              # tensors this operator registered with CUDA (via _HOST)
+        self._upload: Optional[tuple] = None      # page-locked copies of gate, up, down (host_memory)
         self._host_finalizer = None
 
     @classmethod
@@ -930,14 +983,54 @@ class StreamedExperts(Operator):
                 "device_bf16": per_chunk * values * 2}
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
-        return self.cpu_experts.load_weights(prefix, source)
+        keys = self.cpu_experts.load_weights(prefix, source)
+        self._upload = None
+        self._place_host_memory()
+        return keys
+
+    def _place_host_memory(self) -> None:
+        """host_memory: copy the layer's weights into page-locked memory (auto: when CUDA is there
+        and RAM allows), so the stream path uploads them by DMA at the link's speed, with no gather.
+        The CPU kernels keep reading the mapping: on the lent Xeon they decoded at 28 tok/s from
+        page-locked copies and at 47 from the mapping (V2-Lite, docs/prefill.md)."""
+        mode = self.options.host_memory
+        if mode == "mapped":
+            return
+        where = self.name or "streamed_experts"
+        if not torch.cuda.is_available():
+            if mode == "pinned":
+                raise ModelError(f"{where}: host_memory: pinned needs CUDA (page-locked memory); "
+                                 f"use auto or mapped on this machine")
+            return
+        kernel = self.cpu_experts.kernel
+        mats = (kernel.gate, kernel.up, kernel.down)
+        tensors = {m.data.data_ptr(): m.data for m in mats}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if mode == "auto":
+            room = pinnable_bytes()
+            if nbytes > room:
+                _warn_once(f"streamed_experts: not enough free RAM to keep the routed experts in page-locked memory "
+                           f"({nbytes / 2**20:.0f} MiB for {where}, {max(room, 0) / 2**20:.0f} MiB to spare); "
+                           f"such layers gather their uploads from the mapped file (slower GPU prefill)")
+                return
+        try:
+            copies = {p: _page_locked_copy(t) for p, t in tensors.items()}
+        except RuntimeError as exc:
+            if mode == "pinned":
+                raise ModelError(f"{where}: could not allocate {nbytes / 2**20:.0f} MiB of page-locked memory "
+                                 f"({exc}); use host_memory: auto or mapped") from None
+            _warn_once(f"streamed_experts: page-locked allocation failed ({exc}); gathering uploads instead")
+            return
+        self._upload = tuple(dataclasses.replace(m, data=copies[m.data.data_ptr()]) for m in mats)
 
     # ---------------------------------------------------------------- compute
 
     def path(self, hidden_states: torch.Tensor) -> str:
-        """`"stream"` or `"cpu"` for a call with these hidden states [T, H]."""
+        """`"stream"` or `"cpu"` for a call with these hidden states [T, H] (always the CPU path
+        while a CUDA graph is being captured: the stream path reads the routing counts back)."""
         if hidden_states.shape[0] >= self.options.min_tokens and \
-                hidden_states.device.type in self.stream_device_types:
+                hidden_states.device.type in self.stream_device_types and \
+                not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
             return "stream"
         return "cpu"
 
@@ -947,8 +1040,9 @@ class StreamedExperts(Operator):
             raise NativeError(f"{self.name or 'streamed_experts'}: weights are not loaded")
         o = self.options
         stats: dict = {}
+        gate, up, down = self._upload or (kernel.gate, kernel.up, kernel.down)
         out = stream_moe(hidden_states.detach(), top_k_index.detach(), top_k_weights.detach(),
-                         kernel.gate, kernel.up, kernel.down, device=hidden_states.device,
+                         gate, up, down, device=hidden_states.device,
                          chunk_bytes=o.chunk_mb << 20, backend=o.backend, name=self.name or "streamed_experts",
                          register_host=o.register_host, gather_threads=o.gather_threads,
                          owner=self._host_keys, stats=stats)
@@ -964,10 +1058,14 @@ class StreamedExperts(Operator):
         share); the next stream call registers them again. Returns the bytes unregistered."""
         return _HOST.release(self._host_keys) if self._host_keys else 0
 
-    # Decode (below min_tokens) takes the CPU path, which a CUDA graph could capture (stream-ordered
-    # cpu_experts), but a graph-captured decode followed by a stream-path prefill is not verified on
-    # a GPU yet (docs/prefill.md): this operator keeps decode eager.
-    supports_cuda_graph = False
+    # The generation engine prefills in chunks of this many tokens when the model has this operator
+    # (each chunk streams every layer's experts again; the default 512 would move them 4x as often).
+    prefill_chunk_tokens = PREFILL_CHUNK
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        """Decode (below min_tokens) takes the CPU path, captured as cpu_experts' is."""
+        return self.cpu_experts.supports_cuda_graph
 
     def submit(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         """Start the routed experts: the stream path queues its GPU work, the CPU path starts the pool."""
@@ -998,7 +1096,10 @@ class StreamedExperts(Operator):
 
     def extra_repr(self) -> str:
         o = self.options
-        upload = "registered host memory" if o.register_host else "gathered into pinned buffers"
+        if self._upload is not None:
+            upload = "a page-locked copy of the weights"
+        else:
+            upload = "registered host memory" if o.register_host else "gathered into pinned buffers"
         last = f", last upload {self.last_upload_mode}" if self.last_upload_mode else ""
         return (f"op=streamed_experts, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
                 f"stream to the caller's GPU from {o.min_tokens} tokens (chunks of {o.chunk_mb} MB, "
