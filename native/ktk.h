@@ -127,4 +127,8 @@ int ktk_pool_pin_outside(ktk_pool *p);
 /* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ---- */
 double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
 
+/* ---- K-quant quantizers (kquant.c): n super-blocks of 256 floats -> Q4_K / Q5_K / Q6_K blocks
+ * (type KTK_Q4_K, KTK_Q5_K or KTK_Q6_K; out holds n * 144 / 176 / 210 bytes). KTK_OK or KTK_EINVAL. */
+int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out);
+
 #endif

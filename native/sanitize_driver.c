@@ -103,6 +103,30 @@ int main(void) {
         free(g); free(u); free(dn);
     }
     if (ktk_row_bytes(KTK_Q4_K, 100) != -1 || ktk_gemv(KTK_ISA_SCALAR, 99, NULL, 0, 0, 32, NULL, NULL) != KTK_EINVAL) fails++;
+    /* K-quant quantizers: exact-size outputs (an overrun is an ASan finding), edge values */
+    {
+        const int types[3] = {KTK_Q4_K, KTK_Q5_K, KTK_Q6_K};
+        float *xq = malloc(6 * 256 * sizeof(float));
+        for (int i = 0; i < 256; i++) {
+            xq[i] = frand();                  /* ordinary */
+            xq[256 + i] = 0.f;                /* zeros */
+            xq[512 + i] = 3e-9f * frand();    /* scales below fp16's normal range */
+            xq[768 + i] = 1e9f * frand();     /* scales past fp16's range */
+            xq[1024 + i] = -0.25f;            /* constant, negative */
+            xq[1280 + i] = i == 7 ? 2.f : 0.f;
+        }
+        for (int t = 0; t < 3; t++) {
+            int64_t rb = ktk_row_bytes(types[t], 256);
+            uint8_t *q = malloc((size_t)(6 * rb));
+            if (ktk_quantize_k(types[t], xq, 6, q) != KTK_OK) { fprintf(stderr, "quantize %d\n", types[t]); fails++; }
+            float back[256];
+            if (ktk_dequant_row(types[t], q, back, 256) != KTK_OK || fabsf(back[0] - xq[0]) > 0.25f) fails++;
+            free(q);
+        }
+        if (ktk_quantize_k(KTK_Q8_0, xq, 1, (uint8_t *)xq) != KTK_EINVAL || ktk_quantize_k(KTK_Q4_K, NULL, 1, NULL) != KTK_EINVAL)
+            fails++;
+        free(xq);
+    }
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
     if (bw <= 0) fails++;
     ktk_pool_free(pool);

@@ -166,3 +166,34 @@ def test_random_corruption_never_crashes(good, tmp_path):
             src.close()
         except KtInjectError:
             pass
+
+
+def test_convert_refuses_an_incomplete_or_foreign_hf_directory(tmp_path):
+    """A shard left out of a copy, a weight too many or of another shape: `convert` names the
+    directory and the tensors instead of writing a GGUF with layers silently missing."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ktinject.errors import LoadError
+    hf = save_tiny("deepseek_v2", tmp_path / "hf", num_hidden_layers=2)
+    (shard,) = sorted(hf.glob("*.safetensors"))
+    state = load_file(shard)
+    for case, edit, label, name in (
+            ("missing", lambda s: s.pop("model.layers.1.mlp.gate.weight"), "missing (1)",
+             "model.layers.1.mlp.gate.weight"),
+            ("extra", lambda s: s.__setitem__("model.layers.9.mlp.gate.weight", torch.zeros(4, 4)),
+             "unexpected (1)", "model.layers.9.mlp.gate.weight"),
+            ("shape", lambda s: s.__setitem__("model.norm.weight", torch.zeros(3)), "shape mismatch (1)",
+             "model.norm.weight (file [3], model [")):
+        d = tmp_path / case
+        shutil.copytree(hf, d)
+        s = dict(state)
+        edit(s)
+        save_file(s, d / shard.name, metadata={"format": "pt"})
+        with pytest.raises(LoadError) as info:
+            gguf_write.convert_model(d, tmp_path / f"{case}.gguf", "q8_0", progress=False)
+        text = str(info.value)
+        assert str(d) in text and label in text and name in text, text
+        assert not (tmp_path / f"{case}.gguf").exists()

@@ -1,4 +1,5 @@
-"""Our K-quant quantizers: layout read back exactly by gguf's reference, error (SQNR) thresholds."""
+"""Our K-quant quantizers, native (C) and torch: layout read back exactly by gguf's reference, error
+(SQNR) thresholds, edge blocks; the two implementations agree."""
 import numpy as np
 import pytest
 import torch
@@ -10,6 +11,13 @@ from ktinject.weights import kquant, quants
 # Minimum SQNR (dB) on N(0, 1) data; Q4_0/Q5_0/Q8_0 from the gguf package make ~21.3/27.4/45.4.
 THRESHOLDS = {"Q4_K": 22.5, "Q5_K": 28.5, "Q6_K": 34.5}
 BASELINE = {"Q4_K": "Q4_0", "Q5_K": "Q5_0", "Q6_K": "Q5_1"}
+IMPLS = ["native", "torch"]
+
+
+def _quantizer(impl: str, name: str):
+    if impl == "native" and not kquant.native_available():
+        pytest.skip("native library not built")
+    return (kquant.QUANTIZERS if impl == "native" else kquant.TORCH_QUANTIZERS)[name]
 
 
 def _data(kind: str, n_blocks: int = 512, seed: int = 0) -> torch.Tensor:
@@ -26,11 +34,12 @@ def _data(kind: str, n_blocks: int = 512, seed: int = 0) -> torch.Tensor:
     raise ValueError(kind)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
 @pytest.mark.parametrize("kind", ["gaussian", "laplace", "outliers"])
-def test_sqnr_beats_legacy_and_threshold(name, kind):
+def test_sqnr_beats_legacy_and_threshold(name, kind, impl):
     x = _data(kind)
-    blocks = kquant.QUANTIZERS[name](x)
+    blocks = _quantizer(impl, name)(x)
     assert blocks.dtype == torch.uint8 and blocks.shape == (512, quants.QUANTS[QT[name]].type_size)
     # the gguf package's numpy dequantizer is the reference reader of the layout
     ref = gq.dequantize(blocks.numpy(), QT[name]).reshape(x.shape)
@@ -44,13 +53,14 @@ def test_sqnr_beats_legacy_and_threshold(name, kind):
         assert sqnr > THRESHOLDS[name], (name, sqnr)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
 @pytest.mark.parametrize("case", ["zeros", "constant", "negative", "small", "underflow", "huge", "one_spike"])
-def test_edge_blocks(name, case):
+def test_edge_blocks(name, case, impl):
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3))
     x = {"zeros": torch.zeros(8, 256), "constant": torch.full((8, 256), 0.3), "negative": -x.abs() - 0.1,
          "small": x * 1e-3, "underflow": x * 1e-7, "huge": x * 1e4, "one_spike": torch.zeros(8, 256).index_fill_(1, torch.tensor([5]), 2.0)}[case]
-    y = quants.QUANTS[QT[name]].dequantize_blocks(kquant.QUANTIZERS[name](x))
+    y = quants.QUANTS[QT[name]].dequantize_blocks(_quantizer(impl, name)(x))
     assert torch.isfinite(y).all()
     if case == "zeros":
         assert torch.equal(y, torch.zeros_like(x))
@@ -73,3 +83,43 @@ def test_multi_dim_input_and_empty():
     blocks = kquant.quantize_q4_k(x)
     assert blocks.shape == (12, 144)
     assert kquant.quantize_q6_k(torch.empty(0, 256)).numel() == 0
+    if kquant.native_available():
+        assert kquant.QUANTIZERS["Q5_K"](torch.empty(0, 256)).shape == (0, 176)
+        assert kquant.QUANTIZERS["Q4_K"](x).shape == (12, 144)
+
+
+@pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
+def test_native_agrees_with_torch(name, monkeypatch):
+    """Same algorithm: the same bytes for nearly every block (the float sums run in another order,
+    so a candidate tie can round the other way), the same error; many chunks over threads give
+    the same bytes as one call; KTINJECT_KQUANT=torch selects the torch version."""
+    if not kquant.native_available():
+        pytest.skip("native library not built")
+    x = torch.cat([_data(k, 700, seed=5) for k in ("gaussian", "laplace", "outliers")])
+    nat, ref = kquant.QUANTIZERS[name](x), kquant.TORCH_QUANTIZERS[name](x)
+    assert nat.shape == ref.shape and nat.dtype == ref.dtype
+    same = (nat == ref).all(dim=1).float().mean().item()
+    assert same > 0.9, same
+    dq = quants.QUANTS[QT[name]].dequantize_blocks
+    assert abs(kquant.sqnr_db(x, dq(nat)) - kquant.sqnr_db(x, dq(ref))) < 0.02
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)                          # one worker: one call after another
+    try:
+        one = kquant.QUANTIZERS[name](x)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, nat)
+    monkeypatch.setenv("KTINJECT_KQUANT", "torch")
+    assert torch.equal(kquant.QUANTIZERS[name](x), ref)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0"])
+def test_legacy_types_quantized_in_parallel_are_the_package_bytes(name):
+    """`convert` spreads the gguf package's numpy quantizers over threads by groups of rows: the
+    same bytes as one call on the whole tensor."""
+    from ktinject.weights import gguf_write
+    x = torch.randn(3000, 64, generator=torch.Generator().manual_seed(1))
+    want = gq.quantize(x.numpy(), QT[name])
+    got = gguf_write._rows_in_parallel(x.numpy(), lambda rows: gq.quantize(rows, QT[name]), workers=4)
+    assert got.shape == want.shape and np.array_equal(got, want)
+    np.testing.assert_array_equal(gguf_write.encode(x, QT[name]), want)

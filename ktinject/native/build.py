@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
 MODULE = "ktinject.native._ktkernels"
-SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c", "hostjob.c")
+SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c", "hostjob.c", "kquant.c")
 CFLAGS = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unused-function"]
 
 CDEF = """
@@ -77,6 +77,7 @@ long ktk_bell_rings(void);
 int ktk_bell_thread(void);
 int ktk_pool_trace(ktk_pool *p, double *out, int n);
 int ktk_pool_pin_outside(ktk_pool *p);
+int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out);
 """
 
 

@@ -991,8 +991,8 @@ class StreamedExperts(Operator):
     def _place_host_memory(self) -> None:
         """host_memory: copy the layer's weights into page-locked memory (auto: when CUDA is there
         and RAM allows), so the stream path uploads them by DMA at the link's speed, with no gather.
-        The CPU kernels keep reading the mapping: on the lent Xeon they decoded at 28 tok/s from
-        page-locked copies and at 47 from the mapping (V2-Lite, docs/prefill.md)."""
+        The CPU kernels keep reading the mapping, as measured at 64 tok/s decode (V2-Lite); whether
+        they would be as fast on the copies, saving the page cache, is open (docs/prefill.md)."""
         mode = self.options.host_memory
         if mode == "mapped":
             return

@@ -107,7 +107,23 @@ def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
     if qt.name in kquant.QUANTIZERS:
         blocks = kquant.QUANTIZERS[qt.name](values.reshape(-1, 256))
         return blocks.reshape(*values.shape[:-1], -1).numpy()
-    return gq.quantize(values.numpy(), qt)
+    return _rows_in_parallel(values.numpy(), lambda rows: gq.quantize(rows, qt))
+
+
+def _rows_in_parallel(values: np.ndarray, fn, workers: Optional[int] = None) -> np.ndarray:
+    """fn over groups of rows of `values` (last dim kept) on a thread pool, concatenated: the same
+    bytes as fn(values) for a row-wise encoder such as gguf's numpy quantizers, which release the
+    GIL inside numpy and ran on one core otherwise (Q8_0 / Q5_0 / Q4_0 tensors)."""
+    from concurrent.futures import ThreadPoolExecutor
+    rows = values.reshape(-1, values.shape[-1])
+    workers = workers or max(1, torch.get_num_threads())
+    step = max(64, -(-rows.shape[0] // (8 * workers)))
+    if workers <= 1 or rows.shape[0] <= step:
+        return fn(values)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        parts = list(pool.map(lambda i: fn(rows[i:i + step]), range(0, rows.shape[0], step)))
+    out = np.concatenate(parts)
+    return out.reshape(*values.shape[:-1], out.shape[-1])
 
 
 def nbytes_of(shape: tuple[int, ...], qt: QT) -> int:
@@ -208,19 +224,30 @@ def write_gguf(path: str | Path, arch: str, kv: dict[str, Any], tensors: list[Pl
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     total = sum(nbytes_of(t.shape, t.qtype) for t in tensors)
-    with _progress(progress, label, total) as advance:
-        for t in tensors:
-            data = t.produce()
-            if isinstance(data, torch.Tensor):
-                arr = encode(data, t.qtype)
-            elif isinstance(data, np.ndarray):
-                arr = np.ascontiguousarray(data)
-            else:                           # streamed bytes: anything with `nbytes` and `tofile(f)`
-                arr = data
+
+    def encoded(t: PlannedTensor):
+        data = t.produce()
+        if isinstance(data, torch.Tensor):
+            return encode(data, t.qtype)
+        if isinstance(data, np.ndarray):
+            return np.ascontiguousarray(data)
+        return data                         # streamed bytes: anything with `nbytes` and `tofile(f)`
+
+    # a two-stage pipeline: one thread reads and encodes the next tensor while this one writes
+    # the last (at most two tensors' data are held; the encoders parallelize inside)
+    from concurrent.futures import ThreadPoolExecutor
+    with _progress(progress, label, total) as advance, ThreadPoolExecutor(max_workers=1) as ahead:
+        pending = ahead.submit(encoded, tensors[0]) if tensors else None
+        for i, t in enumerate(tensors):
+            arr = pending.result()
+            pending = ahead.submit(encoded, tensors[i + 1]) if i + 1 < len(tensors) else None
             want = nbytes_of(t.shape, t.qtype)
             if arr.nbytes != want:
+                if pending is not None:
+                    pending.cancel()
                 raise WeightError(f"encoded {arr.nbytes} bytes, expected {want}", file=str(path), tensor=t.name)
             w.write_tensor_data(arr)
+            del arr
             advance(want, t.name)
     w.close()
     return [Path(f) for f in files]
@@ -296,6 +323,7 @@ def convert_model(hf_dir: str | Path, out: str | Path, preset: str = "q4_k_m", *
         log.warning("no tokenizer written: %s", exc)
     state = _hf_state(hf_dir, config)
     shapes = {k: tuple(v.shape) for k, v in state.items()}
+    _check_complete(hf_dir, config, shapes)
     planned: list[PlannedTensor] = []
     for key in state:
         if getattr(config, "tie_word_embeddings", False) and key == "lm_head.weight":
@@ -311,6 +339,26 @@ def convert_model(hf_dir: str | Path, out: str | Path, preset: str = "q4_k_m", *
     planned.sort(key=lambda t: layer_sort_key(t.name))
     return write_gguf(out, arch, kv, planned, split_max_tensors=split_max_tensors, split_max_size=split_max_size,
                       progress=progress, label=f"convert {preset}")
+
+
+def _check_complete(hf_dir: Path, config, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every weight the config's model has, of its shape, and nothing else; else a LoadError
+    naming the directory and the tensors (a shard left out of a copy must not give a GGUF
+    with layers silently missing)."""
+    from ..errors import LoadError
+    from .gguf_file import _expected_shapes
+    expected = _expected_shapes(config)
+    if expected is None:
+        return
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected) - tied)
+    mismatched = [f"{k} (file {list(shapes[k])}, model {list(expected[k])})"
+                  for k in sorted(expected) if k in shapes and shapes[k] != expected[k]]
+    if missing or unexpected or mismatched:
+        raise LoadError(f"{hf_dir}: the weights do not match the model config.json describes "
+                        f"({config.num_hidden_layers} layers)", missing=missing, unexpected=unexpected,
+                        mismatched=mismatched)
 
 
 def _part_shapes(layout: str, shape: tuple[int, ...], config) -> list[tuple[int, ...]]:

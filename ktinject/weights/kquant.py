@@ -4,6 +4,11 @@ The `gguf` package cannot produce K-quants, so this module does. Each function t
 values `[n_blocks, 256]` and returns the GGML blocks as uint8 `[n_blocks, type_size]`, the exact
 byte layout `quants.py` (and llama.cpp) reads back.
 
+The native library has the same quantizers in C (native/kquant.c, ~4x torch per core and free of
+the GIL, so threads scale): `QUANTIZERS` uses them where the library is built, the torch
+versions (`TORCH_QUANTIZERS`) otherwise or with KTINJECT_KQUANT=torch. The two sum in different
+orders, so ~1-3% of blocks differ where candidates tie within rounding; the error is the same.
+
 The scale search follows the idea of llama.cpp's reference quantizers (not their code): per
 32-value sub-block (16 for Q6_K), try a small grid of scales around the naive min/max one, fit
 scale and min by weighted least squares for each candidate's rounding, and keep the best
@@ -198,7 +203,59 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((ql.reshape(n, 128), qh.reshape(n, 64), scales, d_bytes), dim=1)
 
 
-QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+TORCH_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}      # GGML type id, bytes per block
+
+
+def native_available() -> bool:
+    try:
+        from .. import native
+        return native.available()
+    except ImportError:
+        return False
+
+
+def _native(name: str):
+    """The native quantizer (native/kquant.c: the same algorithm in C, one super-block run per
+    call, the GIL released) over chunks on a thread pool; the torch version where the native
+    library is missing or KTINJECT_KQUANT=torch."""
+    qtype, type_size = _TYPES[name]
+    fallback = TORCH_QUANTIZERS[name]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        import os
+        if os.environ.get("KTINJECT_KQUANT", "").strip().lower() == "torch" or not native_available():
+            return fallback(x)
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .. import native
+        lib, ffi = native.load()
+        x = x.reshape(-1, QK_K).to(torch.float32).contiguous()
+        n = x.shape[0]
+        out = torch.empty((n, type_size), dtype=torch.uint8)
+        workers = max(1, torch.get_num_threads())
+        step = max(256, -(-n // (4 * workers)))
+
+        def one(i: int) -> None:
+            j = min(n, i + step)
+            rc = lib.ktk_quantize_k(qtype, ffi.cast("float *", x[i:j].data_ptr()), j - i,
+                                    ffi.cast("uint8_t *", out[i:j].data_ptr()))
+            if rc:
+                raise ValueError(f"native {name} quantizer failed (code {rc})")
+        starts = range(0, n, step)
+        if workers == 1 or len(starts) == 1:
+            for i in starts:
+                one(i)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(one, starts))
+        return out
+    run.__name__, run.__doc__ = fallback.__name__, fallback.__doc__
+    return run
+
+
+# what `convert` and `synth` use: native where built, else torch (same algorithm, same error)
+QUANTIZERS = {name: _native(name) for name in TORCH_QUANTIZERS}
 
 
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
