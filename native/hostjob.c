@@ -32,9 +32,14 @@ static void fail(ktk_host_job *j, int rc) {
 /* KTINJECT_HOSTJOB_SKIP=1 (measurement only: scripts/profile_decode.py): jobs return zeros at
  * once, so a decode step's time is its GPU work and the host-node round trips alone. */
 static int skip_jobs(void) {
-    static int skip = -1;
-    if (skip < 0) { const char *s = getenv("KTINJECT_HOSTJOB_SKIP"); skip = s && *s && *s != '0'; }
-    return skip;
+    static _Atomic int skip = -1;             /* read once; "1" or "2" as Python reads it (hostfn.py) */
+    int v = atomic_load(&skip);
+    if (v < 0) {
+        const char *s = getenv("KTINJECT_HOSTJOB_SKIP");
+        v = s && (s[0] == '1' || s[0] == '2') && s[1] == 0;
+        atomic_store(&skip, v);
+    }
+    return v;
 }
 
 void ktk_host_submit(void *arg) {
@@ -42,7 +47,7 @@ void ktk_host_submit(void *arg) {
     if (!j) return;
     if (!j->moe || !j->pool || j->T < 0 || j->k < 1 || j->hidden <= 0) { fail(j, KTK_EINVAL); return; }
     if (skip_jobs()) {
-        memset(j->out, 0, (size_t)(j->T * j->hidden) * sizeof(float));
+        if (j->out) memset(j->out, 0, (size_t)(j->T * j->hidden) * sizeof(float));
         j->status = SKIPPED;                    /* not KTK_OK: sync has nothing to wait for */
         return;
     }
@@ -93,6 +98,7 @@ typedef struct {
 } bell;
 
 static pthread_mutex_t bell_mu = PTHREAD_MUTEX_INITIALIZER;
+int ktk_bell_remove(ktk_host_job *job);
 static bell bells[MAX_BELLS];
 static int nbells;
 static _Atomic int bell_thread_started;
@@ -171,6 +177,7 @@ int ktk_bell_add(ktk_host_job *job, uint32_t *flags) {
         pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
         if (pthread_create(&t, &a, bell_main, NULL) != 0) {
             atomic_store(&bell_thread_started, 0);
+            ktk_bell_remove(job);                   /* nobody would answer it: not armed */
             rc = KTK_ENOMEM;
         } else {
             pthread_setname_np(t, "ktk-bells");   /* its first job moves it off the workers' cores */

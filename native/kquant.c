@@ -104,9 +104,16 @@ static inline __attribute__((always_inline)) void fit_affine(const float *x, int
     for (int s = 0; s < STEPS; s++) {
         float sq = vsq[s], sqx = vsqx[s], sqq = vsqq[s];
         float det = sw * sqq - sq * sq, scale = 0, mn = 0;
-        if (fabsf(det) > 1e-30f) {
+        if (fabsf(det) > 1e-6f * sw * sqq) {
             scale = (sw * sqx - sq * sx) / det;
             mn = (sqq * sx - sq * sqx) / det;
+        } else {                            /* every value rounds alike: the scale alone or the min alone */
+            float scale_a = sqx / (sqq > 1e-30f ? sqq : 1e-30f);
+            float err_a = sxx - 2 * scale_a * sqx + scale_a * scale_a * sqq;
+            float mn_b = sx / (sw > 1e-30f ? sw : 1e-30f);
+            mn_b = mn_b > 0 ? 0 : mn_b;
+            float err_b = sxx - 2 * mn_b * sx + mn_b * mn_b * sw;
+            if (err_a <= err_b) scale = scale_a; else mn = mn_b;
         }
         if (mn > 0) {                       /* the format stores -min >= 0: refit the scale alone */
             scale = sqx / (sqq > 1e-30f ? sqq : 1e-30f);
@@ -146,7 +153,7 @@ static inline __attribute__((always_inline)) float fit_symmetric(const float *x,
 }
 
 /* the Q4_K/Q5_K head and values: d, dmin (fp16), 12 bytes of 6-bit scales/mins, q [8][32] */
-static inline __attribute__((always_inline)) void affine_superblock(const float *x, int nmax, uint8_t *head, uint8_t q[8][32]) {
+static inline __attribute__((always_inline)) int affine_superblock(const float *x, int nmax, uint8_t *head, uint8_t q[8][32]) {
     float sc[8], mn[8], smax = 0, mmax = 0;
     for (int j = 0; j < 8; j++) {
         fit_affine(x + 32 * j, 32, nmax, &sc[j], &mn[j]);
@@ -155,6 +162,7 @@ static inline __attribute__((always_inline)) void affine_superblock(const float 
     }
     uint16_t dh = f32_to_f16(smax / 63), mh = f32_to_f16(mmax / 63);
     float d = ktk_f16_to_f32(dh), dmin = ktk_f16_to_f32(mh);
+    if (!isfinite(d) || !isfinite(dmin)) return KTK_ERANGE;                 /* scales past fp16 */
     uint8_t ls[8], lm[8];
     for (int j = 0; j < 8; j++) {
         ls[j] = d > 0 ? (uint8_t)clampf(rintf(sc[j] / (d > 1e-30f ? d : 1e-30f)), 0, 63) : 0;
@@ -172,6 +180,7 @@ static inline __attribute__((always_inline)) void affine_superblock(const float 
         p[j + 4] = (uint8_t)((lm[j] & 63) | ((lm[j + 4] >> 4) << 6));
         p[j + 8] = (uint8_t)((ls[j + 4] & 15) | ((lm[j + 4] & 15) << 4));
     }
+    return KTK_OK;
 }
 
 static inline __attribute__((always_inline)) void pack_nibbles(uint8_t q[8][32], uint8_t *out) {   /* sub-blocks 2c (low) and 2c+1 (high) */
@@ -179,24 +188,26 @@ static inline __attribute__((always_inline)) void pack_nibbles(uint8_t q[8][32],
         for (int i = 0; i < 32; i++) out[32 * c + i] = (uint8_t)((q[2 * c][i] & 15) | ((q[2 * c + 1][i] & 15) << 4));
 }
 
-static inline __attribute__((always_inline)) void q4_k_block(const float *x, uint8_t *out) {
+static inline __attribute__((always_inline)) int q4_k_block(const float *x, uint8_t *out) {
     uint8_t q[8][32];
-    affine_superblock(x, 15, out, q);
+    if (affine_superblock(x, 15, out, q)) return KTK_ERANGE;
     pack_nibbles(q, out + 16);
+    return KTK_OK;
 }
 
-static inline __attribute__((always_inline)) void q5_k_block(const float *x, uint8_t *out) {
+static inline __attribute__((always_inline)) int q5_k_block(const float *x, uint8_t *out) {
     uint8_t q[8][32];
-    affine_superblock(x, 31, out, q);
+    if (affine_superblock(x, 31, out, q)) return KTK_ERANGE;
     for (int i = 0; i < 32; i++) {
         uint8_t h = 0;
         for (int j = 0; j < 8; j++) h |= (uint8_t)(((q[j][i] >> 4) & 1) << j);
         out[16 + i] = h;
     }
     pack_nibbles(q, out + 48);
+    return KTK_OK;
 }
 
-static inline __attribute__((always_inline)) void q6_k_block(const float *x, uint8_t *out) {
+static inline __attribute__((always_inline)) int q6_k_block(const float *x, uint8_t *out) {
     float sc[16], amax = 0;
     for (int j = 0; j < 16; j++) {
         sc[j] = fit_symmetric(x + 16 * j, 16, 31);
@@ -204,6 +215,7 @@ static inline __attribute__((always_inline)) void q6_k_block(const float *x, uin
     }
     uint16_t dh = f32_to_f16(amax / 127);
     float d = ktk_f16_to_f32(dh);
+    if (!isfinite(d)) return KTK_ERANGE;
     int8_t ls[16];
     uint8_t q[256];
     for (int j = 0; j < 16; j++) {
@@ -226,19 +238,28 @@ static inline __attribute__((always_inline)) void q6_k_block(const float *x, uin
     }
     memcpy(out + 192, ls, 16);
     memcpy(out + 208, &dh, 2);
+    return KTK_OK;
+}
+
+static int all_finite(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) if (!isfinite(x[i])) return 0;
+    return 1;
 }
 
 /* Quantize n super-blocks of 256 floats (x: n*256) into `out` (n * type size bytes): type is
- * KTK_Q4_K, KTK_Q5_K or KTK_Q6_K. Returns KTK_OK or KTK_EINVAL. */
+ * KTK_Q4_K, KTK_Q5_K or KTK_Q6_K. Returns KTK_OK, KTK_EINVAL (bad type or pointers), or KTK_ERANGE
+ * (a NaN / Inf value, or a super-block scale past fp16's range: |x| beyond ~6e7). */
 /* one clone per ISA (the candidate lanes are 8 floats: one AVX register), picked at load */
 __attribute__((target_clones("avx2", "default")))
 int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out) {
     if (!x || !out || n < 0) return KTK_EINVAL;
-    switch (type) {
-    case KTK_Q4_K: for (int64_t b = 0; b < n; b++) q4_k_block(x + 256 * b, out + 144 * b); break;
-    case KTK_Q5_K: for (int64_t b = 0; b < n; b++) q5_k_block(x + 256 * b, out + 176 * b); break;
-    case KTK_Q6_K: for (int64_t b = 0; b < n; b++) q6_k_block(x + 256 * b, out + 210 * b); break;
-    default: return KTK_EINVAL;
+    if (type != KTK_Q4_K && type != KTK_Q5_K && type != KTK_Q6_K) return KTK_EINVAL;
+    for (int64_t b = 0; b < n; b++) {
+        const float *xb = x + 256 * b;
+        if (!all_finite(xb, 256)) return KTK_ERANGE;                         /* NaN / Inf: refused */
+        int rc = type == KTK_Q4_K ? q4_k_block(xb, out + 144 * b)
+               : type == KTK_Q5_K ? q5_k_block(xb, out + 176 * b) : q6_k_block(xb, out + 210 * b);
+        if (rc) return rc;
     }
     return KTK_OK;
 }

@@ -128,7 +128,8 @@ int ktk_pool_pin_outside(ktk_pool *p);
 double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
 
 /* ---- K-quant quantizers (kquant.c): n super-blocks of 256 floats -> Q4_K / Q5_K / Q6_K blocks
- * (type KTK_Q4_K, KTK_Q5_K or KTK_Q6_K; out holds n * 144 / 176 / 210 bytes). KTK_OK or KTK_EINVAL. */
+ * (type KTK_Q4_K, KTK_Q5_K or KTK_Q6_K; out holds n * 144 / 176 / 210 bytes). KTK_OK, KTK_EINVAL,
+ * or KTK_ERANGE for a NaN / Inf value or a scale past fp16's range (blocks before it are written). */
 int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out);
 
 #endif

@@ -123,3 +123,53 @@ def test_legacy_types_quantized_in_parallel_are_the_package_bytes(name):
     got = gguf_write._rows_in_parallel(x.numpy(), lambda rows: gq.quantize(rows, QT[name]), workers=4)
     assert got.shape == want.shape and np.array_equal(got, want)
     np.testing.assert_array_equal(gguf_write.encode(x, QT[name]), want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
+def test_constant_sub_blocks_come_back(name, impl):
+    """A sub-block whose values all round alike (constant, or nearly) fits its scale alone or its
+    min alone: it comes back close, not as zeros (the general fit is singular there)."""
+    q = _quantizer(impl, name)
+    dq = quants.QUANTS[QT[name]].dequantize_blocks
+    g = torch.Generator().manual_seed(2)
+    for value in (0.25, 1.0, -0.3, 7.5):
+        x = torch.full((4, 256), value)
+        x[1] += 1e-7 * torch.randn(256, generator=g)                      # nearly constant
+        x[2, 32:64] = -value                                               # one sub-block of the other sign
+        y = dq(q(x))
+        assert (y - x).abs().max() <= 0.02 * abs(value), (name, impl, value, (y - x).abs().max())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
+def test_non_finite_and_overflowing_values_are_refused(name, impl):
+    q = _quantizer(impl, name)
+    x = torch.randn(4, 256)
+    for bad, match in ((float("nan"), "finite"), (float("inf"), "finite"), (1e12, "large|finite")):
+        y = x.clone()
+        y[2, 100] = bad
+        with pytest.raises(ValueError, match=match):
+            q(y)
+
+
+def test_convert_names_the_tensor_it_cannot_write(tmp_path):
+    """A weight the chosen type cannot hold (NaN here): a WeightError naming the file and the
+    tensor, and no half-written GGUF left behind."""
+    from safetensors.torch import load_file, save_file
+
+    from ktinject.errors import WeightError
+    from ktinject.testing import save_tiny
+    from ktinject.weights import gguf_write
+    hf = save_tiny("qwen3_moe", tmp_path / "hf", num_hidden_layers=1)
+    (shard,) = sorted(hf.glob("*.safetensors"))
+    state = load_file(shard)
+    key = "model.layers.0.self_attn.o_proj.weight"
+    state[key][0, 0] = float("nan")
+    save_file(state, shard, metadata={"format": "pt"})
+    out = tmp_path / "bad.gguf"
+    with pytest.raises(WeightError) as info:
+        gguf_write.convert_model(hf, out, "q8_0", progress=False)
+    text = str(info.value)
+    assert str(out) in text and "attn_output" in text and "finite" in text, text
+    assert not out.exists()

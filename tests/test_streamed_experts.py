@@ -168,6 +168,29 @@ def test_host_memory_without_cuda():
         _op("qwen3_moe", host_memory="pinned")
 
 
+def test_pinned_budget_counts_what_the_allocator_takes(monkeypatch, tmp_path):
+    assert [se.pinned_footprint(n) for n in (1, 4096, 4097, 104 << 20)] == [1, 4096, 8192, 128 << 20]
+    room = se.pinnable_bytes()
+    assert isinstance(room, int)
+    meminfo = "MemTotal:       16000000 kB\nMemAvailable:   10000000 kB\n"
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/meminfo":
+            import io
+            return io.StringIO(meminfo)
+        if path == "/sys/fs/cgroup/memory.max":
+            import io
+            return io.StringIO(str(8_000_000 * 1024) + "\n")
+        if path == "/sys/fs/cgroup/memory.current":
+            import io
+            return io.StringIO(str(6_000_000 * 1024) + "\n")
+        return real_open(path, *a, **k)
+    monkeypatch.setattr("builtins.open", fake_open)
+    # the cgroup's 8 GB limit with 6 GB used leaves 2 GB, less a reserve of max(2 GB, 4 GiB)
+    assert se.pinnable_bytes() == 2_000_000 * 1024 - (4 << 30)
+
+
 def test_engine_prefill_chunk_follows_the_operator():
     from ktinject.generate import DEFAULT_CHUNK, prefill_chunk_size
     model, orig, op = _op("qwen3_moe")

@@ -83,7 +83,7 @@ def bench_model(args) -> int:
     for n, tps in res.prefill.items():
         t.add_row(f"prefill {n} tokens", f"{tps:.0f} tok/s")
     t.add_row(f"decode ({res.decode_mode}), steady", f"{res.decode_tokens_per_s:.1f} tok/s")
-    t.add_row("decode incl. first step and capture", f"{res.decode_tokens_per_s_incl_warmup:.1f} tok/s")
+    t.add_row("decode, first steps included (eager step, capture)", f"{res.decode_tokens_per_s_incl_warmup:.1f} tok/s")
     t.add_row("CPU expert bytes / token", f"{res.cpu_expert_bytes_per_token / 1e6:.1f} MB")
     t.add_row("CPU other bytes / token", f"{res.cpu_dense_bytes_per_token / 1e6:.1f} MB")
     t.add_row(f"CPU read bandwidth ({res.threads} threads)", f"{res.cpu_bandwidth_gbps:.1f} GB/s")

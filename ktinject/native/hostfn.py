@@ -108,20 +108,32 @@ def bells_usable(device: torch.device) -> Optional[str]:
             drv.check(drv.wait_value32(stream, addr, 1, WAIT_EQ), "cuStreamWaitValue32")
             drv.check(drv.write_value32(stream, addr + 4, 7, 0), "cuStreamWriteValue32")
             drv.check(drv.write_value32(stream, addr, 0, 0), "cuStreamWriteValue32")
+        def settle(stream, what):
+            # the stream waits on host memory: never block on it. Past the deadline, release the
+            # wait from the CPU (the word it waits for) and report the failure.
+            import time
+            deadline = time.monotonic() + 5.0
+            while not stream.query():
+                if time.monotonic() > deadline:
+                    word[0] = 1
+                    stream.synchronize()
+                    raise NativeError(f"{what}: the stream's wait on host memory never completed")
+                time.sleep(1e-4)
         with torch.cuda.device(idx):
             side = torch.cuda.Stream()
             with torch.cuda.stream(side):
                 ops(side.cuda_stream)
-            side.synchronize()
+            settle(side, "stream operations")
             if word[1].item() != 7:
                 raise NativeError("the stream's write did not reach host memory")
             word[1] = 0
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 ops(torch.cuda.current_stream().cuda_stream)
-            graph.replay()
-            graph.replay()
-            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                graph.replay()
+                graph.replay()
+            settle(side, "a captured graph")
             if word[1].item() != 7 or word[0].item() != 0:
                 raise NativeError("a captured graph's writes did not reach host memory")
     except Exception as exc:                       # any failure: use host functions instead

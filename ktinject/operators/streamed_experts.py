@@ -280,9 +280,10 @@ def _page_locked_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def pinnable_bytes() -> int:
-    """Bytes of expert weights that may still go into page-locked memory: what Linux reports
-    available, less a reserve of a quarter of RAM (at least 4 GiB) for everything else. Page-locked
-    memory cannot be swapped or reclaimed, so it is never taken to the last byte."""
+    """Bytes that may still go into page-locked memory: what Linux reports available (within this
+    process's cgroup limit, when it has one), less a reserve of a quarter of RAM (at least 4 GiB)
+    for everything else. Page-locked memory cannot be swapped or reclaimed, so it is never taken
+    to the last byte."""
     try:
         info = {}
         with open("/proc/meminfo") as f:
@@ -292,7 +293,20 @@ def pinnable_bytes() -> int:
         total, avail = info["MemTotal"], info["MemAvailable"]
     except (OSError, KeyError, ValueError):
         return 0
+    try:                                    # cgroup v2 (containers): the limit and what is used of it
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+            total, avail = min(total, int(limit)), min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
     return avail - max(total // 4, 4 << 30)
+
+
+def pinned_footprint(nbytes: int) -> int:
+    """What a page-locked allocation of `nbytes` takes: torch's caching host allocator rounds each
+    block up to a power of two (a 104 MB expert matrix takes 128 MB)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def _warn_once(msg: str) -> None:
@@ -1005,7 +1019,7 @@ class StreamedExperts(Operator):
         kernel = self.cpu_experts.kernel
         mats = (kernel.gate, kernel.up, kernel.down)
         tensors = {m.data.data_ptr(): m.data for m in mats}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = sum(pinned_footprint(t.numel() * t.element_size()) for t in tensors.values())
         if mode == "auto":
             room = pinnable_bytes()
             if nbytes > room:

@@ -98,6 +98,13 @@ def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
     """Float values (torch order) -> what the gguf writer stores: float arrays or uint8 block rows."""
     import gguf.quants as gq
     values = values.detach().to("cpu", torch.float32).contiguous()
+    if qt not in (QT.F32, QT.F16, QT.BF16) and qt.name not in kquant.QUANTIZERS:
+        if values.numel() and not torch.isfinite(values).all():
+            raise ValueError("values to quantize are not all finite (NaN or Inf)")
+        limit = _FP16_MAX * _LEGACY_QMAX.get(qt.name, 1)
+        if values.numel() and float(values.abs().max()) > limit:
+            raise ValueError(f"values up to {float(values.abs().max()):.3g} are too large for {qt.name} "
+                             f"(its fp16 block scale holds |x| <= {limit:.3g})")
     if qt == QT.F32:
         return values.numpy()
     if qt == QT.F16:
@@ -108,6 +115,10 @@ def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
         blocks = kquant.QUANTIZERS[qt.name](values.reshape(-1, 256))
         return blocks.reshape(*values.shape[:-1], -1).numpy()
     return _rows_in_parallel(values.numpy(), lambda rows: gq.quantize(rows, qt))
+
+
+_FP16_MAX = 65504.0
+_LEGACY_QMAX = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127}   # |x| / d at most
 
 
 def _rows_in_parallel(values: np.ndarray, fn, workers: Optional[int] = None) -> np.ndarray:
@@ -228,7 +239,10 @@ def write_gguf(path: str | Path, arch: str, kv: dict[str, Any], tensors: list[Pl
     def encoded(t: PlannedTensor):
         data = t.produce()
         if isinstance(data, torch.Tensor):
-            return encode(data, t.qtype)
+            try:
+                return encode(data, t.qtype)
+            except ValueError as exc:       # values the type cannot hold: name the tensor
+                raise WeightError(f"cannot write as {t.qtype.name}: {exc}", file=str(path), tensor=t.name) from None
         if isinstance(data, np.ndarray):
             return np.ascontiguousarray(data)
         return data                         # streamed bytes: anything with `nbytes` and `tofile(f)`
@@ -236,20 +250,27 @@ def write_gguf(path: str | Path, arch: str, kv: dict[str, Any], tensors: list[Pl
     # a two-stage pipeline: one thread reads and encodes the next tensor while this one writes
     # the last (at most two tensors' data are held; the encoders parallelize inside)
     from concurrent.futures import ThreadPoolExecutor
-    with _progress(progress, label, total) as advance, ThreadPoolExecutor(max_workers=1) as ahead:
-        pending = ahead.submit(encoded, tensors[0]) if tensors else None
-        for i, t in enumerate(tensors):
-            arr = pending.result()
-            pending = ahead.submit(encoded, tensors[i + 1]) if i + 1 < len(tensors) else None
-            want = nbytes_of(t.shape, t.qtype)
-            if arr.nbytes != want:
-                if pending is not None:
-                    pending.cancel()
-                raise WeightError(f"encoded {arr.nbytes} bytes, expected {want}", file=str(path), tensor=t.name)
-            w.write_tensor_data(arr)
-            del arr
-            advance(want, t.name)
-    w.close()
+    ahead = ThreadPoolExecutor(max_workers=1)
+    done = False
+    try:
+        with _progress(progress, label, total) as advance:
+            pending = ahead.submit(encoded, tensors[0]) if tensors else None
+            for i, t in enumerate(tensors):
+                arr = pending.result()
+                pending = ahead.submit(encoded, tensors[i + 1]) if i + 1 < len(tensors) else None
+                want = nbytes_of(t.shape, t.qtype)
+                if arr.nbytes != want:
+                    raise WeightError(f"encoded {arr.nbytes} bytes, expected {want}", file=str(path), tensor=t.name)
+                w.write_tensor_data(arr)
+                del arr
+                advance(want, t.name)
+        done = True
+    finally:
+        ahead.shutdown(wait=done, cancel_futures=True)
+        w.close()
+        if not done:                        # no half-written model is left behind
+            for f in files:
+                Path(f).unlink(missing_ok=True)
     return [Path(f) for f in files]
 
 
