@@ -147,3 +147,15 @@ def random_routing(tokens: int, experts: int, k: int, seed: int = 0) -> tuple[to
     g = torch.Generator().manual_seed(seed)
     ids = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices.contiguous()
     return ids, torch.rand(tokens, k, generator=g).contiguous()
+
+
+def run_in_triton_interpreter(script: str, timeout: int = 300) -> None:
+    """Run `script` (Python source that prints "ok" when its checks pass) in a fresh interpreter
+    with TRITON_INTERPRET=1, so Triton kernels execute on the CPU; AssertionError with its stderr
+    otherwise. The variable must be set before triton is imported, hence the subprocess."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

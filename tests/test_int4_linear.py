@@ -1,7 +1,4 @@
 """linear_int4: packing, GGUF repack, the operator's paths, and the Triton kernels."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import gguf
@@ -14,6 +11,7 @@ from ktinject.errors import WeightError
 from ktinject.operators import BuildContext, get, make_options
 from ktinject.operators.kernels import int4_pack as P
 from ktinject.operators.linear_int4 import Int4Linear, Int4Options
+from ktinject.testing import run_in_triton_interpreter
 from ktinject.weights import GGMLTensor
 
 Q4_0, Q4_K, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_K,
@@ -195,9 +193,7 @@ _INTERP = textwrap.dedent("""
 
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_in_triton_interpreter(_INTERP)
 
 
 _INTERP_TILED = textwrap.dedent("""
@@ -257,9 +253,7 @@ _INTERP_TILED = textwrap.dedent("""
 
 def test_tiled_kernels_in_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERP_TILED], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_in_triton_interpreter(_INTERP_TILED)
 
 
 @pytest.mark.gpu

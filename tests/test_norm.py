@@ -3,9 +3,6 @@ bit for bit; the Triton kernel (run here in Triton's interpreter, and on CUDA in
 equals them up to the order of the float32 sum of squares: within two ulps of the output dtype."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,7 +12,7 @@ from ktinject.errors import ModelError, RuleError
 from ktinject.operators import registry
 from ktinject.operators.base import BuildContext
 from ktinject.operators.norm import RMS_NORM_CLASSES, rms_norm_reference
-from ktinject.testing import FAMILIES, build_tiny
+from ktinject.testing import FAMILIES, build_tiny, run_in_triton_interpreter
 
 
 def _norms(family):
@@ -91,9 +88,7 @@ _INTERP = textwrap.dedent("""
 
 def test_triton_kernel_in_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_in_triton_interpreter(_INTERP)
 
 
 @pytest.mark.gpu

@@ -162,12 +162,22 @@ class _one_thread:
         return False
 
 
+def _each(fn, starts, workers: int) -> None:
+    """fn(i) for every i of `starts`, on a pool of `workers` threads when there is more than one."""
+    if workers <= 1 or len(starts) <= 1:
+        for i in starts:
+            fn(i)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(fn, starts))
+
+
 def _chunked(type_size: int):
     """Run a quantizer over `[n, 256]` in chunks of `_CHUNK` super-blocks, one chunk per worker
     thread at a time (torch ops release the GIL), into one output tensor."""
     def wrap(fn):
         def run(x: torch.Tensor) -> torch.Tensor:
-            from concurrent.futures import ThreadPoolExecutor
             x = x.reshape(-1, QK_K).float()
             out = torch.empty((x.shape[0], type_size), dtype=torch.uint8)
             starts = range(0, x.shape[0], _CHUNK)
@@ -175,12 +185,7 @@ def _chunked(type_size: int):
             def one(i: int) -> None:
                 out[i:i + _CHUNK] = fn(x[i:i + _CHUNK])
             with _one_thread() as workers:
-                if workers <= 1 or len(starts) <= 1:
-                    for i in starts:
-                        one(i)
-                else:
-                    with ThreadPoolExecutor(max_workers=workers) as pool:
-                        list(pool.map(one, starts))
+                _each(one, starts, workers)
             return out
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__
         return run
@@ -250,8 +255,6 @@ def _native(name: str):
         import os
         if os.environ.get("KTINJECT_KQUANT", "").strip().lower() == "torch" or not native_available():
             return fallback(x)
-        from concurrent.futures import ThreadPoolExecutor
-
         from .. import native
         lib, ffi = native.load()
         x = x.reshape(-1, QK_K).to(torch.float32).contiguous()
@@ -269,13 +272,7 @@ def _native(name: str):
                                  "(a scale overflows fp16)")
             if rc:
                 raise ValueError(f"native {name} quantizer failed (code {rc})")
-        starts = range(0, n, step)
-        if workers == 1 or len(starts) == 1:
-            for i in starts:
-                one(i)
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(one, starts))
+        _each(one, range(0, n, step), workers)
         return out
     run.__name__, run.__doc__ = fallback.__name__, fallback.__doc__
     return run
