@@ -51,11 +51,13 @@ if [[ $steps == *" decodeab "* ]]; then   # A/B of the pool knobs on the graph d
       | grep -E "decode|machine|signalled" | cut -c1-700
   done
 fi
-if [[ $steps == *" convert "* ]]; then   # ktinject convert of a full-size random HF directory (16B parameters)
-  rm -f /tmp/qwen3.gguf
-  timeout 200 python3 scripts/make_hf_dir.py deepseek-v2-lite /tmp/v2lite-hf 2>&1 | tail -1 | tee "$OUT/convert.txt"
-  ( time timeout 400 python3 -m ktinject convert /tmp/v2lite-hf /tmp/v2lite-conv.gguf --preset q4_k_m --no-progress ) \
+if [[ $steps == *" convert "* ]]; then   # ktinject convert of a real-shape random HF directory (CONVERT_LAYERS of V2-Lite's 27)
+  timeout -s KILL 300 python3 scripts/make_hf_dir.py deepseek-v2-lite /tmp/v2lite-hf --layers ${CONVERT_LAYERS:-14} 2>&1 | tail -1 | tee "$OUT/convert.txt"
+  ( time timeout -s KILL 400 python3 -m ktinject convert /tmp/v2lite-hf /tmp/v2lite-conv.gguf --preset q4_k_m --no-progress ) \
     2>&1 | grep -v -i tokenizer | tail -5 | tee -a "$OUT/convert.txt"
+  python3 -c "import json,glob; from safetensors import safe_open; import math
+n=sum(math.prod(s.get_slice(k).get_shape()) for f in glob.glob('/tmp/v2lite-hf/*.safetensors') for s in [safe_open(f,'pt')] for k in s.keys())
+print(f'{n/1e9:.2f} B parameters')" | tee -a "$OUT/convert.txt"
   rm -rf /tmp/v2lite-hf /tmp/v2lite-conv.gguf
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
