@@ -1,4 +1,5 @@
-/* K-quant quantizers (Q4_K, Q5_K, Q6_K): the algorithm of ktinject/weights/kquant.py in C.
+/* Quantizers for `convert`: the K-quants (Q4_K, Q5_K, Q6_K, the algorithm of
+ * ktinject/weights/kquant.py in C) and, at the end, the legacy Q4_0 / Q5_0 / Q8_0.
  *
  * `ktinject convert` spends most of its time here. The torch version evaluates every candidate as
  * tensors; its many small ops hold the GIL between kernels, so its worker threads stopped scaling
@@ -260,6 +261,73 @@ int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out) {
         int rc = type == KTK_Q4_K ? q4_k_block(xb, out + 144 * b)
                : type == KTK_Q5_K ? q5_k_block(xb, out + 176 * b) : q6_k_block(xb, out + 210 * b);
         if (rc) return rc;
+    }
+    return KTK_OK;
+}
+
+/* ---- the legacy block types (Q4_0, Q5_0, Q8_0), byte for byte as the gguf package writes them ----
+ * (its numpy quantizers, which follow ggml's reference: float32 arithmetic step by step, the scale
+ * applied as the reciprocal of the unrounded d, d stored as fp16). `convert` spent half its time in
+ * the numpy versions for q4_k_m models whose expert rows are not a multiple of 256 (Q5_0 there). */
+
+static int argmax_abs(const float *x, int n) {
+    int im = 0;
+    for (int i = 1; i < n; i++) if (fabsf(x[i]) > fabsf(x[im])) im = i;
+    return im;
+}
+
+static void q4_0_block(const float *x, uint8_t *out) {
+    float d = x[argmax_abs(x, 32)] / -8.0f;
+    float id = d == 0 ? 0.0f : 1.0f / d;
+    uint8_t q[32];
+    for (int i = 0; i < 32; i++) {
+        float v = truncf(x[i] * id + 8.5f);
+        q[i] = (uint8_t)(v > 15.0f ? 15.0f : v);
+    }
+    uint16_t dh = f32_to_f16(d);
+    memcpy(out, &dh, 2);
+    for (int j = 0; j < 16; j++) out[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+}
+
+static void q5_0_block(const float *x, uint8_t *out) {
+    float d = x[argmax_abs(x, 32)] / -16.0f;
+    float id = d == 0 ? 0.0f : 1.0f / d;
+    uint8_t q[32];
+    uint32_t qh = 0;
+    for (int i = 0; i < 32; i++) {
+        float v = truncf(x[i] * id + 16.5f);
+        q[i] = (uint8_t)(v > 31.0f ? 31.0f : v);
+        qh |= (uint32_t)((q[i] >> 4) & 1) << i;
+    }
+    uint16_t dh = f32_to_f16(d);
+    memcpy(out, &dh, 2);
+    for (int b = 0; b < 4; b++) out[2 + b] = (uint8_t)(qh >> (8 * b));
+    for (int j = 0; j < 16; j++) out[6 + j] = (uint8_t)((q[j] & 15) | (q[j + 16] << 4));
+}
+
+static void q8_0_block(const float *x, uint8_t *out) {
+    float amax = 0;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float d = amax / 127.0f;
+    float id = d == 0 ? 0.0f : 1.0f / d;
+    uint16_t dh = f32_to_f16(d);
+    memcpy(out, &dh, 2);
+    for (int i = 0; i < 32; i++) out[2 + i] = (uint8_t)(int8_t)roundf(x[i] * id);   /* half away from zero */
+}
+
+/* n blocks of 32 floats -> Q4_0 (18 bytes each), Q5_0 (22) or Q8_0 (34). KTK_OK, KTK_EINVAL, or
+ * KTK_ERANGE for a NaN / Inf value or a block scale past fp16's range (blocks before it written). */
+int ktk_quantize_legacy(int type, const float *x, int64_t n, uint8_t *out) {
+    if (!x || !out || n < 0) return KTK_EINVAL;
+    int64_t ts = type == KTK_Q4_0 ? 18 : type == KTK_Q5_0 ? 22 : type == KTK_Q8_0 ? 34 : 0;
+    float qmax = type == KTK_Q4_0 ? 8.0f : type == KTK_Q5_0 ? 16.0f : 127.0f;
+    if (!ts) return KTK_EINVAL;
+    for (int64_t b = 0; b < n; b++) {
+        const float *xb = x + 32 * b;
+        if (!all_finite(xb, 32) || fabsf(xb[argmax_abs(xb, 32)]) / qmax > 65504.0f) return KTK_ERANGE;
+        if (type == KTK_Q4_0) q4_0_block(xb, out + ts * b);
+        else if (type == KTK_Q5_0) q5_0_block(xb, out + ts * b);
+        else q8_0_block(xb, out + ts * b);
     }
     return KTK_OK;
 }

@@ -131,5 +131,8 @@ double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
  * (type KTK_Q4_K, KTK_Q5_K or KTK_Q6_K; out holds n * 144 / 176 / 210 bytes). KTK_OK, KTK_EINVAL,
  * or KTK_ERANGE for a NaN / Inf value or a scale past fp16's range (blocks before it are written). */
 int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out);
+/* n blocks of 32 floats -> KTK_Q4_0 / KTK_Q5_0 / KTK_Q8_0 blocks (18 / 22 / 34 bytes), the bytes the
+ * gguf package's numpy quantizers write; errors as ktk_quantize_k. */
+int ktk_quantize_legacy(int type, const float *x, int64_t n, uint8_t *out);
 
 #endif

@@ -131,6 +131,19 @@ int main(void) {
         }
         if (ktk_quantize_k(KTK_Q8_0, xq, 1, (uint8_t *)xq) != KTK_EINVAL || ktk_quantize_k(KTK_Q4_K, NULL, 1, NULL) != KTK_EINVAL)
             fails++;
+        const int legacy[3] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0};
+        for (int t = 0; t < 3; t++) {               /* 40 blocks of 32: the first five super-blocks */
+            int64_t rb = ktk_row_bytes(legacy[t], 32);
+            uint8_t *q = malloc((size_t)(40 * rb));
+            float back[32];
+            if (ktk_quantize_legacy(legacy[t], xq, 40, q) != KTK_OK) { fprintf(stderr, "legacy %d\n", legacy[t]); fails++; }
+            for (int b = 0; b < 40; b++)
+                if (ktk_dequant_row(legacy[t], q + b * rb, back, 32) != KTK_OK ||
+                    fabsf(back[7] - xq[32 * b + 7]) > 0.3f) { fprintf(stderr, "legacy block %d of %d\n", b, legacy[t]); fails++; }
+            if (ktk_quantize_legacy(legacy[t], xq + 1280, 1, q) != KTK_ERANGE) fails++;   /* 1e9: past fp16 */
+            free(q);
+        }
+        if (ktk_quantize_legacy(KTK_Q4_K, xq, 1, (uint8_t *)xq) != KTK_EINVAL) fails++;
         free(xq);
     }
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);

@@ -125,6 +125,31 @@ def test_legacy_types_quantized_in_parallel_are_the_package_bytes(name):
     np.testing.assert_array_equal(gguf_write.encode(x, QT[name]), want)
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0"])
+def test_native_legacy_types_write_the_package_bytes(name, monkeypatch):
+    """The native Q4_0 / Q5_0 / Q8_0 quantizers: byte for byte what gguf's numpy code writes, on
+    Gaussian rows, zeros, exact ties (quarter steps) and tiny values; NaN and fp16 overflow refused."""
+    if not kquant.native_available():
+        pytest.skip("native library not built")
+    from ktinject.weights import gguf_write
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(400, 96, generator=g)
+    x[::7] = 0
+    x[1::5] = torch.round(x[1::5] * 4) / 4
+    x[2::9] *= 1e-6
+    want = gq.quantize(x.numpy(), QT[name])
+    got = kquant.legacy_quantizer(name)(x)
+    assert got.shape == want.shape and np.array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(gguf_write.encode(x, QT[name]), want)
+    for bad in (float("nan"), 1e12):
+        y = x.clone()
+        y[3, 5] = bad
+        with pytest.raises(ValueError):
+            gguf_write.encode(y, QT[name])
+    monkeypatch.setenv("KTINJECT_KQUANT", "torch")
+    assert kquant.legacy_quantizer(name) is None
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", sorted(kquant.QUANTIZERS))
 def test_constant_sub_blocks_come_back(name, impl):

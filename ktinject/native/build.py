@@ -78,6 +78,7 @@ int ktk_bell_thread(void);
 int ktk_pool_trace(ktk_pool *p, double *out, int n);
 int ktk_pool_pin_outside(ktk_pool *p);
 int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out);
+int ktk_quantize_legacy(int type, const float *x, int64_t n, uint8_t *out);
 """
 
 

@@ -98,13 +98,6 @@ def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
     """Float values (torch order) -> what the gguf writer stores: float arrays or uint8 block rows."""
     import gguf.quants as gq
     values = values.detach().to("cpu", torch.float32).contiguous()
-    if qt not in (QT.F32, QT.F16, QT.BF16) and qt.name not in kquant.QUANTIZERS:
-        if values.numel() and not torch.isfinite(values).all():
-            raise ValueError("values to quantize are not all finite (NaN or Inf)")
-        limit = _FP16_MAX * _LEGACY_QMAX.get(qt.name, 1)
-        if values.numel() and float(values.abs().max()) > limit:
-            raise ValueError(f"values up to {float(values.abs().max()):.3g} are too large for {qt.name} "
-                             f"(its fp16 block scale holds |x| <= {limit:.3g})")
     if qt == QT.F32:
         return values.numpy()
     if qt == QT.F16:
@@ -114,6 +107,15 @@ def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
     if qt.name in kquant.QUANTIZERS:
         blocks = kquant.QUANTIZERS[qt.name](values.reshape(-1, 256))
         return blocks.reshape(*values.shape[:-1], -1).numpy()
+    native = kquant.legacy_quantizer(qt.name)            # Q4_0 / Q5_0 / Q8_0 in C, the package's bytes
+    if native is not None:
+        return native(values).numpy()                    # (it refuses NaN / Inf and fp16 overflow itself)
+    if values.numel() and not torch.isfinite(values).all():
+        raise ValueError("values to quantize are not all finite (NaN or Inf)")
+    limit = _FP16_MAX * _LEGACY_QMAX.get(qt.name, 1)
+    if values.numel() and float(values.abs().max()) > limit:
+        raise ValueError(f"values up to {float(values.abs().max()):.3g} are too large for {qt.name} "
+                         f"(its fp16 block scale holds |x| <= {limit:.3g})")
     return _rows_in_parallel(values.numpy(), lambda rows: gq.quantize(rows, qt))
 
 

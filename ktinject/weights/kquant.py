@@ -234,6 +234,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
 
 TORCH_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
 _TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}      # GGML type id, bytes per block
+_LEGACY = {"Q4_0": (2, 18), "Q5_0": (6, 22), "Q8_0": (8, 34)}
 
 
 def native_available() -> bool:
@@ -244,37 +245,58 @@ def native_available() -> bool:
         return False
 
 
+def _use_native() -> bool:
+    import os
+    return os.environ.get("KTINJECT_KQUANT", "").strip().lower() != "torch" and native_available()
+
+
+def native_blocks(name: str, x: torch.Tensor) -> torch.Tensor:
+    """x float32 (n blocks of the type's block size) -> the blocks, uint8 [n, type size], by the
+    native quantizers (native/kquant.c; the GIL released) over chunks on a thread pool. K-quants and
+    the legacy types Q4_0 / Q5_0 / Q8_0 (byte for byte what the gguf package writes)."""
+    from .. import native
+    lib, ffi = native.load()
+    qtype, type_size = _TYPES.get(name) or _LEGACY[name]
+    block = QK_K if name in _TYPES else 32
+    fn = lib.ktk_quantize_k if name in _TYPES else lib.ktk_quantize_legacy
+    x = x.reshape(-1, block).to(torch.float32).contiguous()
+    n = x.shape[0]
+    out = torch.empty((n, type_size), dtype=torch.uint8)
+    workers = max(1, torch.get_num_threads())
+    step = max(256 * QK_K // block, -(-n // (4 * workers)))
+
+    def one(i: int) -> None:
+        j = min(n, i + step)
+        rc = fn(qtype, ffi.cast("float *", x[i:j].data_ptr()), j - i, ffi.cast("uint8_t *", out[i:j].data_ptr()))
+        if rc == -2:                                                         # KTK_ERANGE
+            raise ValueError("values to quantize are not all finite, or too large for the format "
+                             "(a scale overflows fp16)")
+        if rc:
+            raise ValueError(f"native {name} quantizer failed (code {rc})")
+    _each(one, range(0, n, step), workers)
+    return out
+
+
 def _native(name: str):
-    """The native quantizer (native/kquant.c: the same algorithm in C, one super-block run per
-    call, the GIL released) over chunks on a thread pool; the torch version where the native
-    library is missing or KTINJECT_KQUANT=torch."""
-    qtype, type_size = _TYPES[name]
+    """The native quantizer where the library is built, the torch version otherwise or with
+    KTINJECT_KQUANT=torch (same algorithm)."""
     fallback = TORCH_QUANTIZERS[name]
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        import os
-        if os.environ.get("KTINJECT_KQUANT", "").strip().lower() == "torch" or not native_available():
-            return fallback(x)
-        from .. import native
-        lib, ffi = native.load()
-        x = x.reshape(-1, QK_K).to(torch.float32).contiguous()
-        n = x.shape[0]
-        out = torch.empty((n, type_size), dtype=torch.uint8)
-        workers = max(1, torch.get_num_threads())
-        step = max(256, -(-n // (4 * workers)))
-
-        def one(i: int) -> None:
-            j = min(n, i + step)
-            rc = lib.ktk_quantize_k(qtype, ffi.cast("float *", x[i:j].data_ptr()), j - i,
-                                    ffi.cast("uint8_t *", out[i:j].data_ptr()))
-            if rc == -2:                                                     # KTK_ERANGE
-                raise ValueError("values to quantize are not all finite, or too large for the format "
-                                 "(a scale overflows fp16)")
-            if rc:
-                raise ValueError(f"native {name} quantizer failed (code {rc})")
-        _each(one, range(0, n, step), workers)
-        return out
+        return native_blocks(name, x) if _use_native() else fallback(x)
     run.__name__, run.__doc__ = fallback.__name__, fallback.__doc__
+    return run
+
+
+def legacy_quantizer(name: str):
+    """The native Q4_0 / Q5_0 / Q8_0 quantizer (float32 [..., n] -> uint8 [..., n/32 * type size]),
+    or None where it is not built or KTINJECT_KQUANT=torch (then the gguf package's numpy code)."""
+    if name not in _LEGACY or not _use_native():
+        return None
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        blocks = native_blocks(name, x)
+        return blocks.reshape(*x.shape[:-1], -1)
     return run
 
 
