@@ -13,6 +13,7 @@ prompt lengths), so the roofline is optimistic and the fraction honest.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -146,7 +147,7 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
     # the whole static cache, so the longest prefill's cache would slow it)
     r = generate(model, tok, _prompt(vocab, decode_prompt, 1), max_new_tokens=decode_tokens)
     steady = r.steady_decode_tokens_per_s
-    res.decode_tokens_per_s = round(steady if steady == steady else r.decode_tokens_per_s, 2)   # nan: too few tokens
+    res.decode_tokens_per_s = round(r.decode_tokens_per_s if math.isnan(steady) else steady, 2)   # nan: < 3 tokens
     res.decode_tokens_per_s_incl_warmup = round(r.decode_tokens_per_s, 2)
     res.decode_mode = str(getattr(r, "decode_mode", ""))
     say("measuring the machine")

@@ -159,3 +159,14 @@ def run_in_triton_interpreter(script: str, timeout: int = 300) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def greedy_recomputed(model, prompt_ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt_ids`, each from a forward of the whole sequence so far (no
+    cache): the reference a generation engine's cached, chunked or graph-replayed decode must equal."""
+    device = model.get_input_embeddings().weight.device
+    seq = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq], device=device)).logits[0, -1].argmax()))
+    return seq[len(prompt_ids):]

@@ -276,8 +276,9 @@ static int argmax_abs(const float *x, int n) {
     return im;
 }
 
-static void q4_0_block(const float *x, uint8_t *out) {
-    float d = x[argmax_abs(x, 32)] / -8.0f;
+/* vmax: the value of largest magnitude (signed), found once by the caller */
+static void q4_0_block(const float *x, float vmax, uint8_t *out) {
+    float d = vmax / -8.0f;
     float id = d == 0 ? 0.0f : 1.0f / d;
     uint8_t q[32];
     for (int i = 0; i < 32; i++) {
@@ -289,8 +290,8 @@ static void q4_0_block(const float *x, uint8_t *out) {
     for (int j = 0; j < 16; j++) out[2 + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
 }
 
-static void q5_0_block(const float *x, uint8_t *out) {
-    float d = x[argmax_abs(x, 32)] / -16.0f;
+static void q5_0_block(const float *x, float vmax, uint8_t *out) {
+    float d = vmax / -16.0f;
     float id = d == 0 ? 0.0f : 1.0f / d;
     uint8_t q[32];
     uint32_t qh = 0;
@@ -305,10 +306,8 @@ static void q5_0_block(const float *x, uint8_t *out) {
     for (int j = 0; j < 16; j++) out[6 + j] = (uint8_t)((q[j] & 15) | (q[j + 16] << 4));
 }
 
-static void q8_0_block(const float *x, uint8_t *out) {
-    float amax = 0;
-    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float d = amax / 127.0f;
+static void q8_0_block(const float *x, float vmax, uint8_t *out) {
+    float d = fabsf(vmax) / 127.0f;
     float id = d == 0 ? 0.0f : 1.0f / d;
     uint16_t dh = f32_to_f16(d);
     memcpy(out, &dh, 2);
@@ -324,10 +323,12 @@ int ktk_quantize_legacy(int type, const float *x, int64_t n, uint8_t *out) {
     if (!ts) return KTK_EINVAL;
     for (int64_t b = 0; b < n; b++) {
         const float *xb = x + 32 * b;
-        if (!all_finite(xb, 32) || fabsf(xb[argmax_abs(xb, 32)]) / qmax > 65504.0f) return KTK_ERANGE;
-        if (type == KTK_Q4_0) q4_0_block(xb, out + ts * b);
-        else if (type == KTK_Q5_0) q5_0_block(xb, out + ts * b);
-        else q8_0_block(xb, out + ts * b);
+        if (!all_finite(xb, 32)) return KTK_ERANGE;
+        float vmax = xb[argmax_abs(xb, 32)];
+        if (fabsf(vmax) / qmax > 65504.0f) return KTK_ERANGE;
+        if (type == KTK_Q4_0) q4_0_block(xb, vmax, out + ts * b);
+        else if (type == KTK_Q5_0) q5_0_block(xb, vmax, out + ts * b);
+        else q8_0_block(xb, vmax, out + ts * b);
     }
     return KTK_OK;
 }

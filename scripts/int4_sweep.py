@@ -29,21 +29,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:                      # run from a checkout without PYTHONPATH: import this tree's ktinject
     sys.path.insert(0, _ROOT)
 
-SHAPES = [  # (label, N, K, group)  group -1: per channel
-    ("lm_head 102400x2048", 102400, 2048, 128),
-    ("gate+up 21888x2048", 21888, 2048, 128),
-    ("down 2048x10944", 2048, 10944, 64),
-    ("gate 10944x2048", 10944, 2048, 128),
+from ktinject.bench_gpu import INT4_SHAPES, L2_BYTES  # noqa: E402  (after the path set-up above)
+
+SHAPES = INT4_SHAPES + [  # (label, N, K, group)  group -1: per channel; the GPU bench's shapes and more
     ("7168x2048", 7168, 2048, 128),
-    ("4096x4096", 4096, 4096, 128),
     ("4096x2048", 4096, 2048, 128),
-    ("3072x2048", 3072, 2048, 128),
-    ("o_proj 2048x2048", 2048, 2048, 128),
     ("2048x2048 g32 (Q4_K)", 2048, 2048, 32),
     ("3072x2048 per-channel", 3072, 2048, -1),
 ]
 MULTI_BATCH = {"lm_head 102400x2048", "o_proj 2048x2048"}     # also batch 4 and 16 (all shapes with --full)
-L2_BYTES = 256 << 20
 TARGETS = (264, 528, 1056, 2112)          # target programs (K split) tried for every config
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ktinject.generate import GenerationResult, SamplingOptions, generate, sample_next, stream_generate
-from ktinject.testing import build_tiny
+from ktinject.testing import build_tiny, greedy_recomputed
 from ktinject.tokenizer import byte_tokenizer
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -16,11 +16,7 @@ PROMPT = "The quick brown fox"
 
 @torch.no_grad()
 def reference_greedy(model, tok, prompt, n):
-    ids = tok(prompt, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
-    seq = ids
-    for _ in range(n):
-        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return seq[0, ids.shape[1]:].tolist()
+    return greedy_recomputed(model, tok(prompt, return_tensors="pt")["input_ids"][0].tolist(), n)
 
 
 def with_mla(model, device="cpu", dtype=None):

@@ -11,6 +11,7 @@ import torch
 from ktinject.errors import ModelError, RuleError
 from ktinject.operators import registry
 from ktinject.operators.base import BuildContext
+from ktinject.operators.kernels import triton_available
 from ktinject.operators.norm import RMS_NORM_CLASSES, rms_norm_reference
 from ktinject.testing import FAMILIES, build_tiny, run_in_triton_interpreter
 
@@ -61,6 +62,10 @@ def test_options_and_errors():
         op(torch.randn(2, op.hidden + 1))
     assert not op.uses_triton(torch.randn(2, op.hidden))               # CPU tensors: the torch path
     assert "op=rms_norm" in repr(op)
+    if triton_available():                                             # asked for the kernel: no silent torch path
+        strict = _build(model, norms[0][0], norms[0][1], backend="triton")
+        with pytest.raises(ModelError, match="backend triton, but the input"):
+            strict(torch.randn(2, strict.hidden))
 
 
 _INTERP = textwrap.dedent("""

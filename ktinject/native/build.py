@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,65 +22,14 @@ MODULE = "ktinject.native._ktkernels"
 SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c", "hostjob.c", "kquant.c")
 CFLAGS = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unused-function"]
 
-CDEF = """
-int ktk_cpu_features(void);
-int ktk_compiled_isas(void);
-int ktk_best_isa(void);
-int ktk_amx_permission(void);
-typedef struct ktk_pool ktk_pool;
-ktk_pool *ktk_pool_new(int nthreads, int pin);
-void ktk_pool_free(ktk_pool *p);
-int ktk_pool_threads(const ktk_pool *p);
-int ktk_pool_numa_nodes(const ktk_pool *p);
-int ktk_type_block(int type);
-int ktk_type_size(int type);
-int64_t ktk_row_bytes(int type, int64_t n);
-int ktk_dequant_row(int type, const uint8_t *src, float *dst, int64_t n);
-int ktk_dequant_row_isa(int isa, int type, const uint8_t *src, float *dst, int64_t n);
-int ktk_gemv(int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
-             const float *x, float *y);
-typedef struct {
-    int gate_type, up_type, down_type;
-    int64_t n_experts, hidden, inter;
-    const uint8_t *gate;
-    const uint8_t *up;
-    const uint8_t *down;
-    int64_t gate_rb, up_rb, down_rb;
-    int64_t gate_es, up_es, down_es;
-} ktk_moe_desc;
-typedef struct ktk_moe ktk_moe;
-ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err);
-void ktk_moe_free(ktk_moe *m);
-int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
-                   const int64_t *ids, const float *w, float *out);
-int ktk_moe_sync(ktk_moe *m, ktk_pool *p);
-int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
-                    const int64_t *ids, const float *w, float *out);
-double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
-typedef struct {
-    ktk_moe *moe;
-    ktk_pool *pool;
-    int isa;
-    int64_t T, k, hidden;
-    const float *x;
-    const int64_t *ids;
-    const float *w;
-    float *out;
-    int status;
-} ktk_host_job;
-void ktk_host_submit(void *job);
-void ktk_host_sync(void *job);
-int ktk_host_error(int clear, void **job);
-int ktk_bell_add(ktk_host_job *job, uint32_t *flags);
-int ktk_bell_remove(ktk_host_job *job);
-int ktk_bell_poll(void);
-long ktk_bell_rings(void);
-int ktk_bell_thread(void);
-int ktk_pool_trace(ktk_pool *p, double *out, int n);
-int ktk_pool_pin_outside(ktk_pool *p);
-int ktk_quantize_k(int type, const float *x, int64_t n, uint8_t *out);
-int ktk_quantize_legacy(int type, const float *x, int64_t n, uint8_t *out);
-"""
+
+def cdef(header: Path | None = None) -> str:
+    """The cffi declarations: native/ktk.h itself (one source of truth for C and Python), less its
+    include guard and #includes, which cffi's parser does not take (it knows the stdint types)."""
+    text = (header or NATIVE / "ktk.h").read_text()
+    return "\n".join(line for line in text.splitlines()
+                     if not re.match(r"\s*#\s*(ifndef|endif|include)\b", line)
+                     and not re.match(r"\s*#\s*define\s+KTK_H\s*$", line))
 
 
 def sources(root: Path = ROOT) -> list[str]:
@@ -89,7 +39,7 @@ def sources(root: Path = ROOT) -> list[str]:
 def make_ffi(relative: bool = False, extra_cflags: list[str] | None = None) -> cffi.FFI:
     """The FFI builder. `relative`: source paths relative to the project root (setup.py runs there)."""
     ffi = cffi.FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(cdef())
     srcs = [f"native/{s}" for s in SOURCES] if relative else sources()
     inc = ["native"] if relative else [str(NATIVE)]
     ffi.set_source(MODULE, '#include "ktk.h"', sources=srcs, include_dirs=inc,

@@ -17,18 +17,20 @@ Two ways to signal the CPU (`signal_mode()`, env `KTINJECT_HOSTJOB_SIGNAL=hostfn
 
 * **hostfn** (the default): `cuLaunchHostFunc` nodes call `ktk_host_submit` / `ktk_host_sync` on
   the driver's thread (the diagram above).
-* **bell** (opt-in; `auto` picks it where it works): no host functions. The stream sets a page-locked word
-  (`cuStreamWriteValue32`) after the input copies; the native dispatcher thread, polling the armed
-  jobs' words, runs the layer and sets a second word, which the stream waits for
-  (`cuStreamWaitValue32`) and clears before the output copy. A host function costs a round trip
-  through the driver's callback thread (an interrupt and a thread wake-up, each way); a doorbell
-  costs a few bus reads. Used after a self-test on the device (`bells_usable`): the operations
-  run, and a CUDA graph captures and replays them. Measured on the lent H200 + 16-core Xeon
-  (V2-Lite, docs/benchmarks.md): the round trips of a decode step without CPU work took 1.4 ms
-  instead of ~2.5, but with the experts computed decode was no faster (49.8 vs 51.9 tok/s): the
-  dispatcher spins a core, and the pool's last worker started later. Hence opt-in. The CUDA driver API is reached
-through ctypes (`libcuda.so.1`, present wherever a CUDA GPU is usable); the host functions are C
-functions of the native library (native/hostjob.c), so no Python runs on the driver's thread.
+* **bell** (opt-in; `auto` picks it where it works): no host functions. The stream sets a
+  page-locked word (`cuStreamWriteValue32`) after the input copies; the native dispatcher thread,
+  polling the armed jobs' words, runs the layer and sets a second word, which the stream waits
+  for (`cuStreamWaitValue32`) and clears before the output copy. A host function costs a round
+  trip through the driver's callback thread (an interrupt and a thread wake-up, each way); a
+  doorbell costs a few bus reads. Used after a self-test on the device (`bells_usable`): the
+  operations run, and a CUDA graph captures and replays them. Measured on the lent H200 + 16-core
+  Xeon (V2-Lite, docs/benchmarks.md): the round trips of a decode step without CPU work took
+  1.4 ms instead of ~2.5, but with the experts computed decode was no faster (49.8 vs 51.9
+  tok/s): the dispatcher spins a core, and the pool's last worker started later. Hence opt-in.
+
+The CUDA driver API is reached through ctypes (`libcuda.so.1`, present wherever a CUDA GPU is
+usable); the host functions are C functions of the native library (native/hostjob.c), so no
+Python runs on the driver's thread.
 
 `HostJob` is one layer's set of pinned buffers and its C job record for one batch size; its
 buffers are reused by every call with that size, which is safe because every use is ordered on
@@ -38,6 +40,7 @@ into a `NativeError` (cpu_experts calls it on each call, the generation engine a
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Optional
 
@@ -108,10 +111,10 @@ def bells_usable(device: torch.device) -> Optional[str]:
             drv.check(drv.wait_value32(stream, addr, 1, WAIT_EQ), "cuStreamWaitValue32")
             drv.check(drv.write_value32(stream, addr + 4, 7, 0), "cuStreamWriteValue32")
             drv.check(drv.write_value32(stream, addr, 0, 0), "cuStreamWriteValue32")
+
         def settle(stream, what):
             # the stream waits on host memory: never block on it. Past the deadline, release the
             # wait from the CPU (the word it waits for) and report the failure.
-            import time
             deadline = time.monotonic() + 5.0
             while not stream.query():
                 if time.monotonic() > deadline:

@@ -24,23 +24,23 @@ def parse_quant(name: str) -> QT:
 
 
 def quantize_rows(w: torch.Tensor, qt: QT) -> torch.Tensor:
-    """Dense f32 [rows, n] -> uint8 [rows, row_bytes] of type `qt` (gguf-py for the legacy
-    types, `ktinject.weights.kquant` for the K-quants, `quantize_iq4_xs` for IQ4_XS)."""
+    """Dense f32 [rows, n] -> uint8 [rows, row_bytes] of type `qt` (`ktinject.weights.kquant`'s
+    quantizers: the K-quants and, native where built, Q4_0 / Q5_0 / Q8_0 as gguf-py writes them;
+    gguf-py for the other legacy types; `quantize_iq4_xs` for IQ4_XS)."""
     w = w.detach().to(torch.float32).contiguous()
     if qt == QT.BF16:
         return w.to(torch.bfloat16).view(torch.uint8).contiguous()
     if qt == QT.IQ4_XS:
         return quantize_iq4_xs(w.reshape(-1, 256)).reshape(w.shape[0], -1).contiguous()
-    if qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
-        from ..weights import kquant
-        data = getattr(kquant, f"quantize_{qt.name.lower()}")(w.reshape(-1, 256))
+    from ..weights import kquant
+    if qt.name in kquant.QUANTIZERS:
+        data = kquant.QUANTIZERS[qt.name](w.reshape(-1, 256))
+    elif kquant.legacy_quantizer(qt.name) is not None:
+        data = kquant.legacy_quantizer(qt.name)(w)
     else:
         import gguf
         data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
     return data.reshape(w.shape[0], -1).contiguous()
-
-
-IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,8 @@ def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     value takes the nearest grid point. Valid blocks with model-like values, for tests."""
     x = x.detach().to(torch.float32).reshape(-1, 8, 32)
     nb = x.shape[0]
-    grid = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
+    from ..weights.quants import IQ4_NL_VALUES
+    grid = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
     idx = x.abs().argmax(dim=2, keepdim=True)
     sub = torch.gather(x, 2, idx).squeeze(2) / -127.0                     # [nb, 8] sub-block scales
     big = torch.gather(sub, 1, sub.abs().argmax(dim=1, keepdim=True))    # [nb, 1]

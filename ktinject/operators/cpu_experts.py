@@ -192,6 +192,9 @@ class CpuExperts(Operator):
         from ..native import MoEKernel
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
         self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa)
+        if self._jobs and torch.cuda.is_available():   # queued host functions may still use the old jobs
+            for dev in {k[0] for k in self._jobs if isinstance(k, tuple) and isinstance(k[0], torch.device)}:
+                torch.cuda.synchronize(dev)
         self._jobs.clear()                    # stream-ordered jobs were bound to the previous kernel
         self._loaded_prefix = prefix
         return keys
@@ -260,10 +263,16 @@ class CpuExperts(Operator):
         if job is not None:
             from ..native import hostfn
             hostfn.raise_pending(self.name)
-            if hidden_states.shape[-1] != self.hidden or top_k_weights.shape != top_k_index.shape:
+            # the stream copies exactly [T, H], [T, k], [T, k] from these tensors' memory: check first
+            if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden or top_k_index.dim() != 2 \
+                    or top_k_index.shape[0] != hidden_states.shape[0] or top_k_weights.shape != top_k_index.shape:
                 raise NativeError(f"{self.name or 'cpu_experts'}: hidden_states {list(hidden_states.shape)}, "
                                   f"top_k_index {list(top_k_index.shape)} and top_k_weights "
                                   f"{list(top_k_weights.shape)} do not fit [T, {self.hidden}], [T, k], [T, k]")
+            if top_k_index.device != hidden_states.device or top_k_weights.device != hidden_states.device:
+                raise NativeError(f"{self.name or 'cpu_experts'}: hidden_states on {hidden_states.device}, "
+                                  f"top_k_index on {top_k_index.device}, top_k_weights on {top_k_weights.device}: "
+                                  f"a stream-ordered job needs them on one GPU")
             job.submit(hidden_states.detach().to(torch.float32).contiguous(),
                        top_k_index.detach().to(torch.int64).contiguous(),
                        top_k_weights.detach().to(torch.float32).contiguous())

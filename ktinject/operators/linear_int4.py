@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import LoadError, PlacementError, WeightError
 from ..weights import GGMLTensor, as_dense
 from .base import BuildContext, Operator
-from .kernels import int4_pack
+from .kernels import int4_pack, triton_available
 from .kernels.int4_pack import Int4Tiled, Int4Weight
 from .registry import register
 
@@ -62,10 +62,6 @@ class Int4Options:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
-
-def _triton_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
 
 
 def _tinygemm_fits(n: int, k: int, group: int) -> bool:
@@ -180,7 +176,7 @@ class Int4Linear(Operator):
             raise PlacementError(f"{name}: backend 'tinygemm' needs CUDA, K % 128 == 0 and group size in "
                                  f"{TINYGEMM_GROUPS} (have K={k}, group={g}, {dev})")
         self.pack = 0
-        if self._kernel_device(dev) and self.options.backend != "torch" and _triton_available():
+        if self._kernel_device(dev) and self.options.backend != "torch" and triton_available():
             from .kernels import int4_triton as T
             tiled = int4_pack.tile(packed, T.tiled_pack(n, k, g))
             self.qweight, self.scales, self.mins, self.pack = tiled.qweight, tiled.scales, tiled.mins, tiled.pack
@@ -249,11 +245,11 @@ class Int4Linear(Operator):
             if getattr(self, "tg_weight", None) is not None and dtype == torch.bfloat16 and \
                     _wants_tinygemm(self.options, self.out_features, self.in_features, self.group_size, rows):
                 return "tinygemm"
-            if not _triton_available():
+            if not triton_available():
                 return "torch"
             if not self.pack or self._gemv_config(rows, dtype) is not None:
                 return "gemv"
-        elif not _triton_available():
+        elif not triton_available():
             return "torch"
         return "dequant+matmul"
 

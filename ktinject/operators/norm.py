@@ -19,7 +19,6 @@ of the five families (and Llama's), with `eps` read from the module.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from .base import BuildContext, Operator
+from .kernels import triton_available
 from .registry import register
 
 RMS_NORM_CLASSES = ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
@@ -92,11 +92,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return out.view(*x.shape[:-1], cols)
 
 
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 @register("rms_norm")
 class RMSNorm(Operator):
     Options = RMSNormOptions
@@ -143,6 +138,11 @@ class RMSNorm(Operator):
             raise ModelError(f"{self.name or 'rms_norm'}: input has {x.shape[-1]} features, the norm {self.hidden}")
         if self.uses_triton(x):
             return rms_norm_triton(x, self.weight, self.eps)
+        if self.options.backend == "triton":              # asked for the kernel: never the torch code silently
+            from ..errors import ModelError
+            raise ModelError(f"{self.name or 'rms_norm'}: backend triton, but the input is a {x.dtype} tensor "
+                             f"on {x.device} with {x.shape[-1]} features (the kernel takes CUDA bf16/f16/f32 "
+                             f"rows of up to {MAX_TRITON_COLS})")
         return rms_norm_reference(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -20,8 +20,9 @@ of two paths:
   host memory and the CPU only queues them. That memory is either a page-locked copy of the
   layer's weights made at load for the uploads alone (`host_memory`: `auto`, the default, makes
   one on a CUDA machine while RAM allows, keeping a quarter of it free; `pinned` insists; `mapped`
-  never does; the CPU kernels keep reading the mapping), or the GGUF mapping's own pages registered with CUDA at the
-  layer's first stream call (`register_host`, opt-in, read-only `cuMemHostRegister`). **gathered** (registration off, or failed: one warning names the
+  never does; the CPU kernels keep reading the mapping), or the GGUF mapping's own pages
+  registered with CUDA at the layer's first stream call (`register_host`, opt-in, read-only
+  `cuMemHostRegister`). **gathered** (neither, or registration failed: one warning names the
   reason): `gather_threads` threads copy the rows into a pinned host buffer and each piece is
   queued as soon as it is there (the gather of chunk i+1 overlaps the copy of chunk i and the
   compute of chunk i-1). **mixed**: some matrices of the layer each way.
@@ -55,8 +56,8 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -251,7 +252,8 @@ class HostRegistry:
                 end = self.regions.pop(s)[0]
                 err = self._api.unregister(s) if self._api is not None else None
                 if err:
-                    log.debug("streamed_experts: unregistering %d bytes at %#x: %s", end - s, s, err)
+                    log.warning("streamed_experts: unregistering %d bytes at %#x from CUDA failed (they stay "
+                                "page-locked): %s", end - s, s, err)
                 freed += end - s
             self.bytes -= freed
             return freed
@@ -717,7 +719,7 @@ def _mode(stats: dict) -> str:
 def stream_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate, up, down, *,
                device: Any = None, chunk_bytes: int = 128 << 20, backend: str = "auto",
                staging: Optional[Staging] = None, name: str = "streamed_experts",
-               register_host: bool = True, gather_threads: int = 0, registry: Optional[HostRegistry] = None,
+               register_host: bool = False, gather_threads: int = 0, registry: Optional[HostRegistry] = None,
                owner: Optional[set] = None, stats: Optional[dict] = None,
                upload_only: bool = False) -> torch.Tensor:
     """The stream path: out[t] = sum_j wts[t,j] * down_e(SiLU(gate_e x_t) * up_e x_t), e = ids[t,j].
@@ -756,7 +758,7 @@ def stream_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate, up, 
     per_expert = sum(_aligned(m.rows * m.data.shape[1]) for m in mats)
     cap = max(1, min(E, chunk_bytes // per_expert))                           # experts per chunk
     reg = registry if registry is not None else (_HOST if register_host and device.type == "cuda" else None)
-    # page-locked matrices (host_memory: pinned) are copied by DMA as they are, in one piece per run
+    # page-locked copies (host_memory) are copied by DMA as they are, in one piece per run
     cuts: list[Optional[list[int]]] = [[] if device.type == "cuda" and is_page_locked_copy(m.data) else None
                                        for m in mats]
     if reg is not None:
@@ -1124,4 +1126,4 @@ def _release_quietly(keys: set) -> None:
     try:
         _HOST.release(keys)
     except Exception as exc:                     # a finalizer must not raise; the pages stay registered
-        log.debug("streamed_experts: unregistering host memory failed: %s", exc)
+        log.warning("streamed_experts: unregistering host memory failed (it stays page-locked): %s", exc)

@@ -120,7 +120,7 @@ def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
 
 
 _FP16_MAX = 65504.0
-_LEGACY_QMAX = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127}   # |x| / d at most
+_LEGACY_QMAX = {"Q4_0": 8, "Q4_1": 7.5, "Q5_0": 16, "Q5_1": 15.5, "Q8_0": 127}   # |x| / d at most (x_1: d = range / 2^b-1)
 
 
 def _rows_in_parallel(values: np.ndarray, fn, workers: Optional[int] = None) -> np.ndarray:

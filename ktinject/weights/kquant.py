@@ -233,8 +233,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
 
 
 TORCH_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
-_TYPES = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}      # GGML type id, bytes per block
-_LEGACY = {"Q4_0": (2, 18), "Q5_0": (6, 22), "Q8_0": (8, 34)}
+LEGACY_NATIVE = ("Q4_0", "Q5_0", "Q8_0")          # legacy types native/kquant.c writes
 
 
 def native_available() -> bool:
@@ -254,11 +253,15 @@ def native_blocks(name: str, x: torch.Tensor) -> torch.Tensor:
     """x float32 (n blocks of the type's block size) -> the blocks, uint8 [n, type size], by the
     native quantizers (native/kquant.c; the GIL released) over chunks on a thread pool. K-quants and
     the legacy types Q4_0 / Q5_0 / Q8_0 (byte for byte what the gguf package writes)."""
+    from gguf import GGMLQuantizationType as QT
+
     from .. import native
+    from .quants import QUANTS
     lib, ffi = native.load()
-    qtype, type_size = _TYPES.get(name) or _LEGACY[name]
-    block = QK_K if name in _TYPES else 32
-    fn = lib.ktk_quantize_k if name in _TYPES else lib.ktk_quantize_legacy
+    qt = QT[name]
+    type_size, block = QUANTS[qt].type_size, QUANTS[qt].block_size
+    fn = lib.ktk_quantize_k if name in TORCH_QUANTIZERS else lib.ktk_quantize_legacy
+    qtype = int(qt)
     x = x.reshape(-1, block).to(torch.float32).contiguous()
     n = x.shape[0]
     out = torch.empty((n, type_size), dtype=torch.uint8)
@@ -291,7 +294,7 @@ def _native(name: str):
 def legacy_quantizer(name: str):
     """The native Q4_0 / Q5_0 / Q8_0 quantizer (float32 [..., n] -> uint8 [..., n/32 * type size]),
     or None where it is not built or KTINJECT_KQUANT=torch (then the gguf package's numpy code)."""
-    if name not in _LEGACY or not _use_native():
+    if name not in LEGACY_NATIVE or not _use_native():
         return None
 
     def run(x: torch.Tensor) -> torch.Tensor:
