@@ -129,3 +129,32 @@ def attach_memo(model: nn.Module) -> TransferMemo:
         model.register_forward_pre_hook(lambda mod, args: memo.clear())
         model.register_forward_hook(lambda mod, args, out: memo.clear())
     return memo
+
+
+def make_current(device: torch.device) -> None:
+    """Make a CUDA device current (a bare `cuda` is `cuda:0`, as in `canonical`)."""
+    index = 0 if device.index is None else device.index
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+
+
+def attach_device_restore(model: nn.Module) -> None:
+    """Around every forward of the root: note the current CUDA device, and restore it at the end
+    (also when the forward raises), since the stages' hooks switch it as the hidden state moves
+    from GPU to GPU."""
+    if getattr(model, "ktinject_device_restore", False):
+        return
+    model.ktinject_device_restore = True
+    saved: list[int] = []
+
+    def enter(mod, args):
+        saved.append(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+
+    def leave(mod, args, out):
+        if saved:
+            index = saved.pop()
+            if index >= 0 and torch.cuda.current_device() != index:
+                torch.cuda.set_device(index)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)

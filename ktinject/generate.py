@@ -151,6 +151,15 @@ def _graph_blocker(model, device: torch.device) -> Optional[str]:
     return None
 
 
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _cuda_devices(model) -> set[int]:
+    """Indices of the GPUs holding the model's parameters and buffers."""
+    return {_index(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"}
+
+
 def _wait_int(t: torch.Tensor) -> int:
     """int(t), for a CUDA tensor waiting on a blocking event: a plain sync spins a core at 100%
     for the whole step, a core the CPU experts' workers need."""
@@ -201,6 +210,7 @@ class _Stepper:
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             self.kw["logits_to_keep"] = 1
         self.graph = None
+        self.pools: dict[int, Any] = {}   # other GPUs' capture pools (kept as long as the graph)
         self.embed = None                 # set by capture() when the token embedding is off the graph's GPU
 
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -218,23 +228,44 @@ class _Stepper:
             inputs = {"inputs_embeds": self.embeds}
         else:
             inputs = {"input_ids": self.ids}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        # Layers on other GPUs (a multi-GPU layout) run on a side stream of their own, which joins
+        # the capture through an event wait and rejoins it before the capture ends; what they
+        # allocate during the capture goes to a pool of their device kept with the graph (the
+        # graph's own pool covers the capturing device only).
+        others = sorted(_cuda_devices(self.model) - {_index(device)})
+        sides = {d: torch.cuda.Stream(device=d) for d in [_index(device), *others]}
+        for d, s in sides.items():
+            s.wait_stream(torch.cuda.current_stream(d))
         # Warm-up with host synchronisation turned into an error: code that syncs (data-dependent
         # control flow, host copies) cannot be captured, and is found here without breaking the
         # CUDA context the way a failed capture would.
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with torch.cuda.stream(side):
+            with contextlib.ExitStack() as streams:
+                for s in sides.values():
+                    streams.enter_context(torch.cuda.stream(s))
                 self.model(**inputs, position_ids=self.pos, **self.kw)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-            torch.cuda.current_stream().wait_stream(side)
+            for d, s in sides.items():
+                torch.cuda.current_stream(d).wait_stream(s)
             _rewind(self.cache, pos)
+        self.pools = {}
+        for d in others:
+            with torch.cuda.device(d):
+                self.pools[d] = torch.cuda.MemPool()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = self.model(**inputs, position_ids=self.pos, **self.kw).logits[:, -1]
+            capturing = torch.cuda.current_stream()
+            with contextlib.ExitStack() as joined:
+                for d in others:
+                    sides[d].wait_stream(capturing)
+                    joined.enter_context(torch.cuda.stream(sides[d]))
+                    joined.enter_context(torch.cuda.use_mem_pool(self.pools[d], device=d))
+                self.logits = self.model(**inputs, position_ids=self.pos, **self.kw).logits[:, -1]
+                for d in others:
+                    capturing.wait_stream(sides[d])
         _rewind(self.cache, pos)
         self.graph = graph
 

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from . import weights
-from .boundaries import TransferMemo, attach_memo
+from .boundaries import TransferMemo, attach_device_restore, attach_memo, make_current
 from .errors import LoadError, ModelError
 from .operators import registry
 from .operators.base import BuildContext, Operator
-from .phase import PhaseDispatch
+from .phase import PhaseDispatch, current
 from .rules.parse import load_rules
 from .rules.plan import DTYPES, Plan, PlanEntry, plan
 from .rules.skeleton import build_skeleton, config_dtype
@@ -370,10 +370,15 @@ def _load_branch(module: nn.Module, prefix: str, source, device: torch.device, d
 # ---------------------------------------------------------------- cross-device calls
 
 def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
-    """Hooks that move inputs to a module's device, on each child of a module spanning several
-    devices (operators and phase dispatchers move their inputs themselves). Copies go through the
-    model's per-forward `TransferMemo`, so a tensor crosses to a device once per forward pass
-    (see ktinject/boundaries.py). Returns the count."""
+    """Hooks on each child of a module spanning several devices: a child on a GPU gets its inputs
+    moved there, and makes that GPU the current CUDA device while it runs, so kernels that launch
+    on the current device (Triton) launch on the right one, and an operator (which would move its
+    inputs itself and its result back) computes where its input already is: the hidden state
+    crosses each boundary once. Plain modules on the CPU get their inputs moved too; CPU
+    operators take them where they are (stream-ordered CPU experts read GPU inputs). The root
+    restores the caller's current device when the forward ends, error or not. Copies go through
+    the model's per-forward `TransferMemo`, so a tensor crosses to a device once per forward pass
+    (see ktinject/boundaries.py). Returns the number of hooked children."""
     devices: dict[str, set[str]] = {}
     own: dict[str, str] = {}
     for e in the_plan.entries:
@@ -384,15 +389,19 @@ def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
     if len(devices.get("", ())) <= 1:
         return 0
     memo = attach_memo(model)
+    if any(d.startswith("cuda") for d in devices[""]):
+        attach_device_restore(model)
     count = 0
     for name, mod in model.named_modules():
         if len(devices.get(name, ())) <= 1 or isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
             continue                      # a container's members are hooked as its parent's children
         for full, child in _called_children(mod, name):
-            if isinstance(child, (Operator, PhaseDispatch)) or full not in own:
+            if full not in own:
                 continue
-            dev = _device(own[full])
-            child.register_forward_pre_hook(_make_hook(memo, dev), with_kwargs=True)
+            if isinstance(child, (Operator, PhaseDispatch)) and \
+                    not any(d.startswith("cuda") for d in devices.get(full, ())):
+                continue                  # a CPU operator takes its inputs where they are (stream-ordered experts)
+            child.register_forward_pre_hook(_make_hook(memo, _device(own[full])), with_kwargs=True)
             count += 1
     log.debug("installed %d device hooks", count)
     return count
@@ -412,5 +421,11 @@ def _called_children(mod: nn.Module, name: str):
 
 def _make_hook(memo: TransferMemo, device: torch.device):
     def hook(module, args, kwargs):
-        return memo.move_all(args, device), memo.move_all(kwargs, device)
+        dev = module.devices[current()] if isinstance(module, PhaseDispatch) else device
+        if dev.type != "cuda":
+            # plain modules on the CPU get their inputs there; operators and dispatchers move them
+            return None if isinstance(module, (Operator, PhaseDispatch)) else \
+                (memo.move_all(args, dev), memo.move_all(kwargs, dev))
+        make_current(dev)
+        return memo.move_all(args, dev), memo.move_all(kwargs, dev)
     return hook

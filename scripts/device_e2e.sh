@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -32,6 +32,14 @@ bench() {   # name arch rules [extra bench args]
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --prompt-lengths 512,2048 --decode-tokens 64
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
+if [[ $steps == *" twogpu "* ]]; then   # bench the -2gpu overlays on two GPUs and the one-GPU packs, same machine
+  for pair in "v2lite deepseek-v2-lite deepseek-v2" "qwen3 qwen3-30b-a3b qwen3-moe"; do
+    set -- $pair
+    for rules in $3 $3-2gpu; do
+      bench $1 $2 $rules --prompt-lengths ${TWOGPU_PROMPTS:-512,2048} --decode-tokens 64
+    done
+  done
+fi
 if [[ $steps == *" profile "* ]]; then   # the hybrid decode step, broken down (full V2-Lite shape)
   [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
     --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
@@ -49,6 +57,17 @@ if [[ $steps == *" decodeab "* ]]; then   # A/B of the pool knobs on the graph d
     echo "== $cfg"
     env $cfg timeout -s KILL 100 python3 scripts/profile_decode.py /tmp/v2lite.gguf --modes graph --no-layers 2>&1 \
       | grep -E "decode|machine|signalled" | cut -c1-700
+  done
+fi
+if [[ $steps == *" twogpuprof "* ]]; then   # the graph decode step, one GPU vs two: whole, GPU work alone, host round trips
+  [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
+  for rules in deepseek-v2 deepseek-v2-2gpu; do
+    for cfg in KTINJECT_HOSTJOB_SKIP=0 KTINJECT_HOSTJOB_SKIP=2 KTINJECT_HOSTJOB_SKIP=1 ${TWOGPU_EXTRA:-}; do
+      echo "== $rules $cfg"
+      env $cfg timeout -s KILL 100 python3 scripts/profile_decode.py /tmp/v2lite.gguf --rules $rules --modes graph \
+        --no-layers 2>&1 | grep -E "decode|threads over" | cut -c1-500
+    done
   done
 fi
 if [[ $steps == *" convert "* ]]; then   # ktinject convert of a real-shape random HF directory (CONVERT_LAYERS of V2-Lite's 27)

@@ -99,3 +99,53 @@ def test_cpu_cuda_layer_split_matches_reference(family, pack, tmp_path):
     # bfloat16 error on the same input
     rel, bf16_rel = bf16_error_bound(family, ids, got)
     assert rel < max(3 * bf16_rel, 1e-2), (rel, bf16_rel)
+
+
+def _hooked(model, name):
+    return bool(model.get_submodule(name)._forward_pre_hooks)
+
+
+@pytest.mark.parametrize("pack,family,layers,split", TWO_GPU[:1] + TWO_GPU[2:])
+def test_two_gpu_hooks_cover_gpu_operators_not_cpu_ones(pack, family, layers, split):
+    """On the injected skeleton (meta): the final norm and lm_head (operators on cuda:0 after a
+    layer on cuda:1) take their inputs through the hooks, so the hidden state crosses back once;
+    the CPU experts (stream-ordered: they read GPU inputs) get none."""
+    from ktinject.load import apply
+    from ktinject.rules.skeleton import build_skeleton
+    config = tiny_config(family, num_hidden_layers=split + 2)
+    skeleton = build_skeleton(config, torch.bfloat16)
+    p = plan(skeleton, pack)
+    apply(skeleton, p, config)
+    assert install_device_hooks(skeleton, p) > 0
+    assert _hooked(skeleton, "model.norm") and _hooked(skeleton, "lm_head")
+    assert _hooked(skeleton, f"model.layers.{split}") and _hooked(skeleton, f"model.layers.{split}.mlp")
+    assert not _hooked(skeleton, f"model.layers.{split}.mlp.experts")
+    assert skeleton.ktinject_device_restore
+
+
+def test_cpu_hooks_move_plain_modules_inputs_only():
+    from ktinject.load import _make_hook
+    from ktinject.operators.base import Operator
+    memo = TransferMemo()
+    hook = _make_hook(memo, torch.device("meta"))
+    x = torch.ones(2)
+    args, kwargs = hook(torch.nn.Identity(), (x,), {"y": x})
+    assert args[0].device.type == "meta" and kwargs["y"] is args[0]          # moved once
+    assert _make_hook(memo, torch.device("cpu"))(Operator(), (x,), {}) is None  # a CPU operator: untouched
+
+
+def test_device_restore_runs_when_the_forward_raises():
+    from ktinject.boundaries import attach_device_restore
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+    m = Boom()
+    attach_device_restore(m)
+    attach_device_restore(m)                                              # once per model
+    assert len(m._forward_pre_hooks) == 1
+    with pytest.raises(ValueError):
+        m(torch.ones(1))
+    hook = next(iter(m._forward_hooks.values()))
+    assert m._forward_hooks_always_called[next(iter(m._forward_hooks))]
+    assert hook is not None

@@ -31,6 +31,7 @@ class CudaDriver:
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
         self.lib = lib
+        self._primary: dict[int, ctypes.c_void_p] = {}      # device -> its primary context (bind)
         P, vp = ctypes.POINTER, ctypes.c_void_p
         self.launch_host_func = lib.cuLaunchHostFunc
         self.launch_host_func.argtypes = [vp, vp, vp]
@@ -81,6 +82,18 @@ class CudaDriver:
             if rc:
                 return f"no current CUDA context ({self.error(rc)})"
         return None
+
+    def bind(self, device: int) -> None:
+        """Make `device`'s primary context current on this thread for the driver calls that follow
+        (the runtime's device switch alone need not rebind the driver's context; stream handle 0
+        means the legacy stream of whatever context is current)."""
+        ctx = self._primary.get(device)
+        if ctx is None:
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), int(device)), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._primary[device] = ctx
+        self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     def register(self, ptr: int, nbytes: int, device: Optional[int] = None) -> Optional[str]:
         """Page-lock host memory for DMA, read-only (GGUF maps are); None or the error."""

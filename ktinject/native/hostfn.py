@@ -171,6 +171,8 @@ class HostJob:
         lib, ffi = load()
         H = kernel.hidden
         self.T, self.k, self.hidden, self.device = T, k, H, device
+        self._index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
         self.x = torch.empty(T, H, dtype=torch.float32, pin_memory=True)
         self.ids = torch.empty(T, k, dtype=torch.int64, pin_memory=True)
         self.w = torch.empty(T, k, dtype=torch.float32, pin_memory=True)
@@ -213,6 +215,7 @@ class HostJob:
             return
         drv = driver()
         with torch.cuda.device(self.device):        # the driver calls need this device's context
+            drv.bind(self._index)
             stream = torch.cuda.current_stream(self.device).cuda_stream
             for dst, src in ((self.x, x), (self.ids, ids), (self.w, w)):
                 drv.check(drv.memcpy_dtoh_async(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream),
@@ -230,6 +233,7 @@ class HostJob:
         from .cuda_driver import WAIT_EQ
         drv = driver()
         with torch.cuda.device(self.device):
+            drv.bind(self._index)
             stream = torch.cuda.current_stream(self.device).cuda_stream
             if self.signal == "bell":
                 drv.check(drv.wait_value32(stream, self._done, 1, WAIT_EQ), "cuStreamWaitValue32")
