@@ -164,20 +164,29 @@ def _wait_int(t: torch.Tensor) -> int:
     """int(t), for a CUDA tensor waiting on a blocking event: a plain sync spins a core at 100%
     for the whole step, a core the CPU experts' workers need."""
     if t.device.type == "cuda":
-        ev = torch.cuda.Event(blocking=True)
-        ev.record()
+        index = _index(t.device)
+        ev = _WAIT_EVENTS.get(index)
+        if ev is None:                    # one per GPU, re-recorded each token
+            with torch.cuda.device(index):
+                ev = _WAIT_EVENTS[index] = torch.cuda.Event(blocking=True)
+        ev.record(torch.cuda.current_stream(index))
         ev.synchronize()
     return int(t)
 
 
-def _raise_host_errors() -> None:
-    """Stream-ordered CPU experts report failures late (they run on the driver's thread)."""
+_WAIT_EVENTS: dict[int, Any] = {}
+
+
+def _host_error_check() -> Optional[Callable[[], None]]:
+    """Stream-ordered CPU experts run on the driver's thread and cannot raise there: their first
+    failure waits in the native library. This returns the check that raises it (naming the layer),
+    or None when there is no native library; `stream_generate` calls it after every token, so a
+    failed job stops generation at the token it spoiled."""
     try:
         from .native import available, hostfn
     except ImportError:
-        return
-    if available():
-        hostfn.raise_pending("generate")
+        return None
+    return (lambda: hostfn.raise_pending("generate")) if available() else None
 
 
 def _rewind(cache: Any, length: int) -> None:
@@ -282,6 +291,76 @@ class _Stepper:
         return self.logits
 
 
+class _Session:
+    """A static cache and its stepper (with the captured decode graph, if any), kept on the model
+    between calls: a later call whose cache size fits reuses both, so it skips the eager first
+    step, the capture and the graph's instantiation (about a second per call for Qwen3-30B-A3B).
+    `marks` are the addresses the graph was captured against (see `_marks`)."""
+
+    def __init__(self, cache, stepper: "_Stepper", length: int, device: torch.device):
+        self.cache, self.stepper, self.length, self.device = cache, stepper, length, device
+        self.marks: tuple = ()
+        self.busy = False
+
+
+def _marks(model, cache) -> tuple:
+    """What a captured decode step points at: every parameter and buffer, the operators' own
+    caches (MLA's latent cache), the stream-ordered CPU jobs of one-token steps (their C records and
+    buffers) and the static cache's tensors. A reload, a grown operator cache or dropped jobs change them, and
+    the graph is then captured again instead of replayed."""
+    out = [t.data_ptr() for t in model.parameters()] + [t.data_ptr() for t in model.buffers()]
+    for m in model.modules():
+        kv = getattr(m, "kv_cache", None)
+        if isinstance(kv, torch.Tensor):
+            out.append(kv.data_ptr())
+        jobs = getattr(m, "_jobs", None)          # cpu_experts: (device, tokens, k) -> job; decode's are 1-token
+        if isinstance(jobs, dict):
+            out.extend(getattr(j, "serial", id(j)) for key, j in jobs.items()
+                       if isinstance(key, tuple) and len(key) > 1 and key[1] == 1)
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values", "cumulative_length"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t.data_ptr())
+    return tuple(out)
+
+
+def release(model) -> None:
+    """Free the static cache and decode graph a model keeps between `generate` calls."""
+    session = getattr(model, "_ktinject_session", None)
+    if session is not None and not session.busy:
+        model._ktinject_session = None
+
+
+def _session(model, needed: int, max_cache_len: Optional[int], device: torch.device, static: bool):
+    """(cache, cache kind, stepper, session or None) for a call needing `needed` cache slots.
+
+    The kept session is reused when it is free, on the same device, and its length is between
+    the call's size (`needed` rounded up to 256, or `max_cache_len`) and twice that (a decode step
+    attends over the whole static cache, so a much larger one would slow it). Otherwise it is
+    dropped first (its memory comes back before the new cache is made), and the new one is kept.
+    When the cache grows past a kept one (a chat's prompt grows turn by turn), the new length
+    doubles the old, so a growing conversation recaptures O(log) times, not every turn."""
+    size = max_cache_len or -(-needed // 256) * 256
+    old = getattr(model, "_ktinject_session", None)
+    if not static or (old is not None and old.busy):
+        cache, kind = _make_cache(model, size, 1, device, static)
+        return cache, kind, _Stepper(model, cache, device), None
+    if old is not None and old.device == device and size <= old.length <= 2 * size:
+        old.cache.reset()
+        return old.cache, "static", old.stepper, old
+    if old is not None and max_cache_len is None and old.length < size <= 2 * old.length:
+        size = 2 * old.length
+    model._ktinject_session = None
+    del old
+    cache, kind = _make_cache(model, size, 1, device, static)
+    stepper = _Stepper(model, cache, device)
+    if kind != "static":
+        return cache, kind, stepper, None
+    session = model._ktinject_session = _Session(cache, stepper, size, device)
+    return cache, kind, stepper, session
+
+
 def _eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(tokenizer, "eos_token_id", None),
@@ -331,9 +410,27 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     n_prompt = ids.shape[1]
     if n_prompt == 0:
         raise ValueError("empty prompt")
-    length = max_cache_len or -(-(n_prompt + max_new_tokens + 1) // 256) * 256
-    cache, cache_kind = _make_cache(model, length, 1, device, static_cache)
-    stepper = _Stepper(model, cache, device)
+    cache, cache_kind, stepper, session = _session(model, n_prompt + max_new_tokens + 1, max_cache_len, device,
+                                                   static_cache)
+    if session is None:
+        yield from _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size,
+                                  cuda_graph, cache, cache_kind, stepper, None)
+        return
+    session.busy = True
+    ok = False
+    try:
+        yield from _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size,
+                                  cuda_graph, cache, cache_kind, stepper, session)
+        ok = True
+    finally:
+        session.busy = False
+        if not ok and getattr(model, "_ktinject_session", None) is session:
+            model._ktinject_session = None      # a failed or abandoned call may leave it half-updated
+
+
+def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size, cuda_graph,
+                   cache, cache_kind, stepper, session) -> Iterator[str]:
+    n_prompt = ids.shape[1]
     eos = _eos_ids(model, tokenizer)
 
     t0 = time.perf_counter()
@@ -350,9 +447,12 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
 
     blocker = "disabled" if cuda_graph == "off" else _graph_blocker(model, logits.device)
     mode = f"eager ({blocker})" if blocker else "cuda-graph"
+    if stepper.graph is not None and (blocker or session is None or _marks(model, cache) != session.marks):
+        stepper.graph = None              # kept from an earlier call, but not to be replayed now
     if blocker and cuda_graph == "require":
         raise RuntimeError(f"cuda_graph='require' but the decode step cannot be captured: {blocker}")
 
+    host_errors = _host_error_check()
     tokens: list[int] = []
     emitted, reason, text = 0, "length", ""
     decodes, t_steady, steady_from = 0, None, 0
@@ -380,6 +480,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             if mode == "cuda-graph" and stepper.graph is None and step >= 1:
                 try:
                     stepper.capture(pos, logits.device)
+                    if session is not None:
+                        session.marks = _marks(model, cache)
                 except Exception as exc:     # report, then decode eagerly from a clean state
                     _rewind(cache, pos)
                     stepper.graph = None
@@ -394,8 +496,11 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             decodes += 1
             nxt = sample_next(logits[0], history, opts, gen)
             tok = _wait_int(nxt)
+            if host_errors:
+                host_errors()
     t_loop = time.perf_counter()
-    _raise_host_errors()
+    if host_errors:
+        host_errors()
     if len(text) > emitted:
         yield text[emitted:]
     t2 = time.perf_counter()

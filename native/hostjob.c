@@ -22,9 +22,17 @@ static _Atomic int first_error;
 static ktk_host_job *_Atomic first_job;  /* the job that failed first (names the layer in Python) */
 static __thread int placed;            /* this (driver) thread was moved off the workers' cores */
 
+/* the output's size as the record gives it, when the record agrees with its layer (else 0: a
+ * record whose `hidden` is not the layer's says nothing trustworthy about its buffer) */
+static size_t out_floats(const ktk_host_job *j) {
+    if (!j->out || !j->moe || j->T <= 0 || j->hidden <= 0 || j->hidden != ktk_moe_hidden(j->moe)) return 0;
+    return (size_t)(j->T * j->hidden);
+}
+
 static void fail(ktk_host_job *j, int rc) {
     j->status = rc;
-    if (j->out && j->T > 0 && j->hidden > 0) memset(j->out, 0, (size_t)(j->T * j->hidden) * sizeof(float));
+    size_t n = out_floats(j);
+    if (n) memset(j->out, 0, n * sizeof(float));
     int none = 0;
     if (atomic_compare_exchange_strong(&first_error, &none, rc)) atomic_store(&first_job, j);
 }
@@ -45,9 +53,12 @@ static int skip_jobs(void) {
 void ktk_host_submit(void *arg) {
     ktk_host_job *j = arg;
     if (!j) return;
-    if (!j->moe || !j->pool || j->T < 0 || j->k < 1 || j->hidden <= 0) { fail(j, KTK_EINVAL); return; }
+    if (!j->moe || !j->pool || j->T < 0 || j->k < 1 || !out_floats(j) || !j->x || !j->ids || !j->w) {
+        fail(j, KTK_EINVAL);
+        return;
+    }
     if (skip_jobs()) {
-        if (j->out) memset(j->out, 0, (size_t)(j->T * j->hidden) * sizeof(float));
+        memset(j->out, 0, out_floats(j) * sizeof(float));
         j->status = SKIPPED;                    /* not KTK_OK: sync has nothing to wait for */
         return;
     }

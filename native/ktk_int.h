@@ -52,6 +52,8 @@ typedef float (*ktk_dot_fn)(const uint8_t *row, const float *xf, const ktk_q8 *x
  * hardware prefetchers follow several streams, but not several interleaved in one page. */
 typedef void (*ktk_dotn_fn)(const uint8_t *row, int64_t rs, int nrows, const float *xf, const ktk_q8 *xq, int64_t n,
                             float *out, const uint8_t *next);
+/* the layer's hidden size (moe.c): a job record's `hidden` must equal it (hostjob.c) */
+int64_t ktk_moe_hidden(const struct ktk_moe *m);
 static inline void ktk_prefetch(const uint8_t *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }

@@ -317,6 +317,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     return rc;
 }
 
+int64_t ktk_moe_hidden(const ktk_moe *m) { return m ? m->d.hidden : -1; }
+
 int ktk_moe_sync(ktk_moe *m, ktk_pool *p) {
     if (!m || !p) return KTK_EINVAL;
     if (!m->busy) return KTK_OK;

@@ -107,3 +107,82 @@ def test_gpu_cuda_graph_decode_equals_eager(family):
     assert eager.decode_mode.startswith("eager")
     assert graph.decode_mode == "cuda-graph", graph.decode_mode
     assert graph.token_ids == eager.token_ids
+
+
+# ---- the cache and decode graph kept between calls ---------------------------------------------
+
+@pytest.mark.parametrize("family,mla", [("qwen3_moe", False), ("deepseek_v2", True)])
+def test_later_calls_reuse_the_kept_cache_and_match_the_reference(family, mla):
+    model = build_tiny(family)
+    tok = byte_tokenizer(model.config.vocab_size)
+    ours = with_mla(copy.deepcopy(model)) if mla else model
+    first = "The quick brown fox jumps over the lazy dog, twice over"     # fills more of the cache
+    assert generate(ours, tok, first, max_new_tokens=10).token_ids == reference_greedy(model, tok, first, 10)
+    kept = ours._ktinject_session
+    assert kept is not None and kept.length == 256 and not kept.busy
+    # a shorter prompt: the same cache, reset, and entries the first call left past its end unseen
+    assert generate(ours, tok, "abc", max_new_tokens=6).token_ids == reference_greedy(model, tok, "abc", 6)
+    assert ours._ktinject_session is kept
+
+
+def test_kept_cache_grows_by_doubling_and_shrinks_when_far_too_large():
+    model = build_tiny("qwen3_moe")
+    tok = byte_tokenizer(model.config.vocab_size)
+    generate(model, tok, "abc", max_new_tokens=4)
+    assert model._ktinject_session.length == 256
+    generate(model, tok, "x" * 300, max_new_tokens=4)                  # needs 305: double the kept 256
+    assert model._ktinject_session.length == 512
+    generate(model, tok, "y" * 1100, max_new_tokens=4)                 # needs 1105: more than double
+    assert model._ktinject_session.length == 1280
+    generate(model, tok, "abc", max_new_tokens=4)                      # 1280 > 2 x 256: a small cache again
+    assert model._ktinject_session.length == 256
+    generate(model, tok, "abc", max_new_tokens=4, max_cache_len=600)   # an explicit size is taken as given
+    assert model._ktinject_session.length == 600
+
+
+def test_abandoned_or_concurrent_calls_do_not_share_the_kept_cache():
+    from ktinject.generate import release
+    model = build_tiny("qwen3_moe")
+    tok = byte_tokenizer(model.config.vocab_size)
+    ref = reference_greedy(model, tok, "abc", 6)
+    a = stream_generate(model, tok, "abc", max_new_tokens=6)
+    next(a)
+    kept = model._ktinject_session
+    assert kept.busy
+    # a second generation while the first is still open gets a cache of its own
+    assert generate(model, tok, "abc", max_new_tokens=6).token_ids == ref
+    assert model._ktinject_session is kept
+    a.close()                                                          # abandoned half-way: not kept
+    assert model._ktinject_session is None
+    generate(model, tok, "abc", max_new_tokens=6)
+    assert model._ktinject_session is not None
+    release(model)
+    assert model._ktinject_session is None
+    assert generate(model, tok, "abc", max_new_tokens=6, static_cache=False).token_ids == ref
+    assert model._ktinject_session is None                             # a dynamic cache is not kept
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_moe"])
+def test_gpu_later_calls_replay_the_kept_graph(family, monkeypatch):
+    """The second call replays the graph the first captured (no new capture); tokens equal eager
+    decoding; a graph kept from a call whose marks no longer hold is captured again."""
+    from ktinject.generate import _Stepper
+    model = build_tiny(family, dtype=torch.bfloat16).cuda()
+    model.set_experts_implementation("batched_mm")
+    if family == "deepseek_v2":
+        model = with_mla(model, device="cuda", dtype=torch.bfloat16)
+    tok = byte_tokenizer(model.config.vocab_size)
+    captures = []
+    real = _Stepper.capture
+    monkeypatch.setattr(_Stepper, "capture", lambda self, *a: (captures.append(1), real(self, *a))[1])
+    first = generate(model, tok, PROMPT, max_new_tokens=16)
+    graph = model._ktinject_session.stepper.graph
+    assert first.decode_mode == "cuda-graph" and graph is not None and len(captures) == 1
+    again = generate(model, tok, "A different prompt", max_new_tokens=16)
+    eager = generate(model, tok, "A different prompt", max_new_tokens=16, cuda_graph="off")
+    assert again.decode_mode == "cuda-graph" and len(captures) == 1
+    assert again.token_ids == eager.token_ids
+    # "off" dropped the kept graph; the next call captures again
+    generate(model, tok, PROMPT, max_new_tokens=16)
+    assert len(captures) == 2 and model._ktinject_session.stepper.graph is not graph

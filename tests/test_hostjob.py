@@ -212,3 +212,42 @@ def test_gpu_doorbells_work_and_are_chosen(monkeypatch):
         torch.cuda.synchronize()
         assert torch.allclose(gout.cpu(), kernel.forward(x * (i + 1), ids, w), rtol=0, atol=0)
     hostfn.raise_pending()
+
+
+def test_job_record_must_agree_with_its_layer():
+    """A record whose `hidden` is not the layer's is refused, and its buffer left alone: the size
+    it claims is not trusted for the zeroing either."""
+    from ktinject.native import hostfn
+    kernel = _kernel()
+    x, ids, w = torch.randn(1, 64), torch.tensor([[0, 1]]), torch.ones(1, 2)
+    out = torch.full((1, 64), 7.0)
+    lib, job = _job(kernel, x, ids, w, out)
+    job.hidden = 4096                     # larger than the buffers
+    lib.ktk_host_submit(job)
+    lib.ktk_host_sync(job)
+    assert job.status == -1 and torch.all(out == 7.0)
+    with pytest.raises(NativeError):
+        hostfn.raise_pending()
+    job.hidden, job.x = 64, native.load()[1].NULL
+    lib.ktk_host_submit(job)
+    assert job.status == -1
+    with pytest.raises(NativeError):
+        hostfn.raise_pending()
+
+
+def test_generation_stops_at_the_token_a_failed_job_spoiled():
+    """A failure waiting in the library (as a stream-ordered job leaves it) ends `stream_generate`
+    at the next token, not after the whole completion."""
+    from ktinject.generate import stream_generate
+    from ktinject.testing import build_tiny
+    from ktinject.tokenizer import byte_tokenizer
+    kernel = _kernel()
+    x, w, out = torch.randn(1, 64), torch.ones(1, 2), torch.zeros(1, 64)
+    lib, job = _job(kernel, x, torch.tensor([[0, 8]]), w, out)      # expert 8 of 8
+    model = build_tiny("qwen3_moe")
+    tok = byte_tokenizer(model.config.vocab_size)
+    pieces = stream_generate(model, tok, "abc", max_new_tokens=50)
+    lib.ktk_host_submit(job)
+    with pytest.raises(NativeError, match="expert id out of range"):
+        for n, _ in enumerate(pieces):
+            assert n < 2

@@ -39,6 +39,7 @@ into a `NativeError` (cpu_experts calls it on each call, the generation engine a
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import weakref
@@ -82,6 +83,7 @@ def raise_pending(where: str = "") -> None:
 
 
 SIGNALS = ("hostfn", "bell", "auto")
+_SERIALS = itertools.count(1)
 _BELLS: dict[int, Optional[str]] = {}    # CUDA device index -> None (doorbells work there) or why not
 
 
@@ -171,6 +173,7 @@ class HostJob:
         lib, ffi = load()
         H = kernel.hidden
         self.T, self.k, self.hidden, self.device = T, k, H, device
+        self.serial = next(_SERIALS)              # tells a new job from an old one at the same address
         self._index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
         self.x = torch.empty(T, H, dtype=torch.float32, pin_memory=True)
