@@ -140,7 +140,8 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
              max_cache_len=max_len)
     for n in prompt_lengths:
         say(f"prefill {n} tokens")
-        r = generate(model, tok, _prompt(vocab, n, n), max_new_tokens=1, max_cache_len=max_len)
+        r = generate(model, tok, _prompt(vocab, n, n), max_new_tokens=1, max_cache_len=max_len,
+                     reuse_prefix=False)
         res.prefill[str(n)] = round(r.prefill_tokens_per_s, 1)
     say(f"decode {decode_tokens} tokens")
     # the cache sized for this generation, as generate() sizes it (a decode step's attention spans

@@ -42,6 +42,7 @@ class GenerationResult:
     cache: str = "static"                # "static" | "dynamic"
     steady_seconds: float = 0.0          # decode steps from the third on (after the eager step and capture)
     steady_tokens: int = 0               # the tokens those steps produced
+    cached_prompt_tokens: int = 0        # prompt tokens whose KV an earlier call left in the kept cache
 
     @property
     def steady_decode_tokens_per_s(self) -> float:
@@ -52,7 +53,9 @@ class GenerationResult:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+        """Prompt tokens computed (the cached prefix aside) per second of prefill."""
+        n = self.prompt_tokens - self.cached_prompt_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -301,6 +304,7 @@ class _Session:
         self.cache, self.stepper, self.length, self.device = cache, stepper, length, device
         self.marks: tuple = ()
         self.busy = False
+        self.tokens: list[int] = []        # the ids whose keys and values sit at positions 0, 1, ...
 
 
 def _marks(model, cache) -> tuple:
@@ -347,7 +351,6 @@ def _session(model, needed: int, max_cache_len: Optional[int], device: torch.dev
         cache, kind = _make_cache(model, size, 1, device, static)
         return cache, kind, _Stepper(model, cache, device), None
     if old is not None and old.device == device and size <= old.length <= 2 * size:
-        old.cache.reset()
         return old.cache, "static", old.stepper, old
     if old is not None and max_cache_len is None and old.length < size <= 2 * old.length:
         size = 2 * old.length
@@ -391,11 +394,14 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
                     stop: Sequence[str] = (), result: Optional[dict] = None, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                     seed: Optional[int] = None, chunk_size: Optional[int] = None, cuda_graph: str = "auto",
-                    max_cache_len: Optional[int] = None, static_cache: bool = True) -> Iterator[str]:
+                    max_cache_len: Optional[int] = None, static_cache: bool = True,
+                    reuse_prefix: bool = True) -> Iterator[str]:
     """Yield decoded text pieces as tokens come. Fills `result` with the GenerationResult fields.
 
     `prompt` is text or token ids. `cuda_graph`: "auto" (capture when possible), "off", or
-    "require" (raise if the model cannot be captured).
+    "require" (raise if the model cannot be captured). `reuse_prefix`: when the kept cache (see
+    `_session`) holds the start of this prompt, from the previous call's prompt and reply (a chat's
+    earlier turns), only the rest is prefilled.
     """
     if cuda_graph not in ("auto", "off", "require"):
         raise ValueError(f"cuda_graph must be auto, off or require, got {cuda_graph!r}")
@@ -414,13 +420,19 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
                                                    static_cache)
     if session is None:
         yield from _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size,
-                                  cuda_graph, cache, cache_kind, stepper, None)
+                                  cuda_graph, cache, cache_kind, stepper, None, 0)
         return
+    cached = _cached_prefix(session, ids[0].tolist()) if reuse_prefix else 0
+    if cached:
+        _rewind(cache, cached)            # the kept entries past it are overwritten before they are read
+    elif session.tokens or session.marks:
+        cache.reset()
+    session.tokens = []                   # unknown until this call completes
     session.busy = True
     ok = False
     try:
         yield from _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size,
-                                  cuda_graph, cache, cache_kind, stepper, session)
+                                  cuda_graph, cache, cache_kind, stepper, session, cached)
         ok = True
     finally:
         session.busy = False
@@ -428,15 +440,27 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             model._ktinject_session = None      # a failed or abandoned call may leave it half-updated
 
 
+def _cached_prefix(session: "_Session", prompt: list[int]) -> int:
+    """How many leading prompt tokens the kept cache already holds (at least one token is always
+    computed again: its logits start the reply)."""
+    n = 0
+    for a, b in zip(session.tokens, prompt[:-1]):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size, cuda_graph,
-                   cache, cache_kind, stepper, session) -> Iterator[str]:
+                   cache, cache_kind, stepper, session, cached) -> Iterator[str]:
     n_prompt = ids.shape[1]
     eos = _eos_ids(model, tokenizer)
 
     t0 = time.perf_counter()
     with _phase("prefill"):
-        for start in range(0, n_prompt, chunk_size):
+        for start in range(cached, n_prompt, chunk_size):
             logits = stepper.forward(ids[:, start:start + chunk_size], start)
+    fed = ids[0].tolist()                 # what the cache holds, position by position
     # sampling happens where the logits are (the GPU of lm_head in hybrid layouts, whose embedding
     # and so input ids live on the CPU)
     history = ids[0].to(logits.device)
@@ -493,6 +517,7 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
             if step == 2:
                 t_steady, steady_from = time.perf_counter(), decodes
             logits = stepper.decode(nxt, pos)
+            fed.append(tok)
             decodes += 1
             nxt = sample_next(logits[0], history, opts, gen)
             tok = _wait_int(nxt)
@@ -504,11 +529,14 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
     if len(text) > emitted:
         yield text[emitted:]
     t2 = time.perf_counter()
+    if session is not None:
+        session.tokens = fed
     if result is not None:
         result.update(text=text, token_ids=tokens, prompt_tokens=n_prompt, prefill_seconds=t1 - t0,
                       decode_seconds=t2 - t1, stop_reason=reason, decode_mode=mode, cache=cache_kind,
                       steady_seconds=t_loop - t_steady if t_steady is not None else 0.0,
-                      steady_tokens=decodes - steady_from if t_steady is not None else 0)
+                      steady_tokens=decodes - steady_from if t_steady is not None else 0,
+                      cached_prompt_tokens=cached)
 
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tokens: int = 64,
@@ -517,7 +545,7 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tok
     """Generate a completion of `prompt`; `on_text` receives each decoded piece as it comes.
 
     `options`: temperature, top_k, top_p, repetition_penalty, seed (sampling); chunk_size,
-    cuda_graph ("auto" | "off" | "require"), max_cache_len, static_cache (engine).
+    cuda_graph ("auto" | "off" | "require"), max_cache_len, static_cache, reuse_prefix (engine).
     """
     info: dict = {}
     for piece in stream_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop=stop,

@@ -48,3 +48,13 @@ def test_profile_counts_every_routed_choice(tmp_path):
 def test_profile_cli_errors_without_prompts(capsys):
     assert main(["profile"]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_chat_turns_reuse_the_earlier_turns_cache():
+    model = build_tiny("qwen3_moe")
+    tok = byte_tokenizer(model.config.vocab_size)
+    inputs = iter(["hello", "again", None])
+    results = []
+    chat_loop(model, tok, lambda: next(inputs), lambda s: None, max_new_tokens=4, on_result=results.append)
+    assert results[0].cached_prompt_tokens == 0
+    assert results[1].cached_prompt_tokens >= results[0].prompt_tokens      # at least the first prompt

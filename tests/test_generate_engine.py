@@ -186,3 +186,48 @@ def test_gpu_later_calls_replay_the_kept_graph(family, monkeypatch):
     # "off" dropped the kept graph; the next call captures again
     generate(model, tok, PROMPT, max_new_tokens=16)
     assert len(captures) == 2 and model._ktinject_session.stepper.graph is not graph
+
+
+@pytest.mark.parametrize("family,mla,chunk", [("qwen3_moe", False, 512), ("deepseek_v2", True, 3),
+                                              ("mixtral", False, 4)])
+def test_next_turn_prefills_only_what_the_kept_cache_lacks(family, mla, chunk):
+    """A chat's next prompt starts with the previous prompt and reply: their keys and values are
+    still in the kept cache, so only the new tokens are computed, with the same result."""
+    model = build_tiny(family)
+    ours = with_mla(copy.deepcopy(model)) if mla else model
+    tok = byte_tokenizer(model.config.vocab_size)
+    turn1 = tok("Hello there, model.", return_tensors="pt")["input_ids"][0].tolist()
+    r1 = generate(ours, tok, turn1, max_new_tokens=8, chunk_size=chunk)
+    turn2 = turn1 + r1.token_ids + tok(" And now?", return_tensors="pt")["input_ids"][0].tolist()
+    r2 = generate(ours, tok, turn2, max_new_tokens=8, chunk_size=chunk)
+    # the reply's last token was sampled but never fed: its entry is computed now
+    assert r2.cached_prompt_tokens == len(turn1) + len(r1.token_ids) - 1
+    assert r2.token_ids == greedy_recomputed(model, turn2, 8)
+    # an edit early in the conversation keeps only what comes before it
+    turn3 = turn2[:5] + [turn2[5] + 1] + turn2[6:]
+    r3 = generate(ours, tok, turn3, max_new_tokens=8, chunk_size=chunk)
+    assert r3.cached_prompt_tokens == 5 and r3.token_ids == greedy_recomputed(model, turn3, 8)
+    # the same prompt again: all but its last token come from the cache
+    r4 = generate(ours, tok, turn3, max_new_tokens=8, chunk_size=chunk)
+    assert r4.cached_prompt_tokens == len(turn3) - 1 and r4.token_ids == r3.token_ids
+    r5 = generate(ours, tok, turn3, max_new_tokens=8, chunk_size=chunk, reuse_prefix=False)
+    assert r5.cached_prompt_tokens == 0 and r5.token_ids == r3.token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_moe"])
+def test_gpu_next_turn_with_kept_prefix_and_graph(family):
+    """A continued conversation on the GPU: the cached prefix, then the kept graph's replays,
+    give the tokens of a fresh eager generation."""
+    model = build_tiny(family, dtype=torch.bfloat16).cuda()
+    model.set_experts_implementation("batched_mm")
+    if family == "deepseek_v2":
+        model = with_mla(model, device="cuda", dtype=torch.bfloat16)
+    tok = byte_tokenizer(model.config.vocab_size)
+    turn1 = tok(PROMPT, return_tensors="pt")["input_ids"][0].tolist()
+    r1 = generate(model, tok, turn1, max_new_tokens=12)
+    turn2 = turn1 + r1.token_ids + turn1[:5]
+    r2 = generate(model, tok, turn2, max_new_tokens=12)
+    assert r2.cached_prompt_tokens == len(turn1) + len(r1.token_ids) - 1 and r2.decode_mode == "cuda-graph"
+    fresh = generate(model, tok, turn2, max_new_tokens=12, cuda_graph="off", reuse_prefix=False)
+    assert r2.token_ids == fresh.token_ids

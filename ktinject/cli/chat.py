@@ -36,8 +36,10 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def chat_loop(model, tokenizer, read: Callable[[], Optional[str]], write: Callable[[str], None],
-              system: Optional[str] = None, **gen_options) -> list[dict]:
-    """Run turns until `read` returns None or /exit; returns the conversation."""
+              system: Optional[str] = None, on_result: Optional[Callable] = None, **gen_options) -> list[dict]:
+    """Run turns until `read` returns None or /exit; returns the conversation. `on_result` gets each
+    turn's GenerationResult. Each turn's prompt is the whole conversation; the engine keeps the
+    earlier turns' keys and values, so only the new tokens are prefilled."""
     from ..generate import generate
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
@@ -54,6 +56,8 @@ def chat_loop(model, tokenizer, read: Callable[[], Optional[str]], write: Callab
         messages.append({"role": "user", "content": line})
         result = generate(model, tokenizer, prompt_ids(tokenizer, messages), on_text=write, **gen_options)
         write("\n")
+        if on_result:
+            on_result(result)
         messages.append({"role": "assistant", "content": result.text})
 
 
@@ -71,7 +75,11 @@ def run(args) -> int:
     def write(piece: str) -> None:
         console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
 
-    chat_loop(model, tokenizer, read, write, system=args.system, max_new_tokens=args.max_new_tokens,
+    def stats(r) -> None:
+        console.print(f"[dim]({r.prompt_tokens} prompt tokens, {r.cached_prompt_tokens} kept from earlier turns; "
+                      f"prefill {r.prefill_tokens_per_s:.0f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s)[/]")
+
+    chat_loop(model, tokenizer, read, write, system=args.system, on_result=stats, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               repetition_penalty=args.repetition_penalty, chunk_size=args.chunk_size)
     return 0
