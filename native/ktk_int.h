@@ -55,14 +55,14 @@ typedef void (*ktk_dotn_fn)(const uint8_t *row, int64_t rs, int nrows, const flo
 /* the layer's hidden size (moe.c): a job record's `hidden` must equal it (hostjob.c) */
 int64_t ktk_moe_hidden(const struct ktk_moe *m);
 static inline void ktk_prefetch(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)((uintptr_t)p + (uintptr_t)o), 0, 3);
 }
 /* a ktk_dotn_fn that loops over a ktk_dot_fn (types without a multi-row kernel) */
 #define KTK_DOTN_LOOP(NAME, DOT, TYPE)                                                                       \
     static void NAME(const uint8_t *row, int64_t rs, int nrows, const float *xf, const ktk_q8 *xq, int64_t n, \
                      float *out, const uint8_t *next) {                                                     \
         for (int r = 0; r < nrows; r++) {                                                                   \
-            if (next) ktk_prefetch(next + r * rs, ktk_row_bytes(TYPE, n));                                  \
+            if (next) ktk_prefetch((const uint8_t *)((uintptr_t)next + (uintptr_t)(r * rs)), ktk_row_bytes(TYPE, n)); \
             out[r] = DOT(row + r * rs, xf, xq, n);                                                          \
         }                                                                                                   \
     }
