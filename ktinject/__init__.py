@@ -13,7 +13,7 @@ from .errors import (KtInjectError, LoadError, ModelError, NativeError, Placemen
 
 # Imported eagerly: importing the submodule `ktinject.generate` would otherwise rebind the
 # package attribute `generate` to the module and hide the function.
-from .generate import GenerationResult, generate, stream_generate  # noqa: E402
+from .generate import GenerationResult, generate, release_generation, stream_generate  # noqa: E402
 
 _LAZY = {
     "optimize_and_load": ("ktinject.load", "optimize_and_load"),
@@ -30,5 +30,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'ktinject' has no attribute {name!r}")
 
 
-__all__ = ["GenerationResult", "generate", "stream_generate", "KtInjectError", "LoadError", "ModelError", "NativeError", "PlacementError", "RuleError",
-           "UnknownOperatorError", "UnsupportedQuantError", "WeightError", *_LAZY]
+__all__ = ["GenerationResult", "generate", "release_generation", "stream_generate", "KtInjectError", "LoadError",
+           "ModelError", "NativeError", "PlacementError", "RuleError", "UnknownOperatorError",
+           "UnsupportedQuantError", "WeightError", *_LAZY]

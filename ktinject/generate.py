@@ -329,7 +329,7 @@ def _marks(model, cache) -> tuple:
     return tuple(out)
 
 
-def release(model) -> None:
+def release_generation(model) -> None:
     """Free the static cache and decode graph a model keeps between `generate` calls."""
     session = getattr(model, "_ktinject_session", None)
     if session is not None and not session.busy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktinject.boundaries import Boundary, TransferMemo, attach_memo
+from ktinject.boundaries import Boundary, TransferMemo, attach_memo, canonical
 from ktinject.load import install_device_hooks
 from ktinject.rules.plan import plan
 from ktinject.testing import bf16_error_bound, build_tiny, tiny_config
@@ -149,3 +149,16 @@ def test_device_restore_runs_when_the_forward_raises():
     hook = next(iter(m._forward_hooks.values()))
     assert m._forward_hooks_always_called[next(iter(m._forward_hooks))]
     assert hook is not None
+
+
+def test_two_gpu_overlay_composes_with_hot_experts(tmp_path):
+    """`include: [deepseek-v2-hot, deepseek-v2-2gpu]`: each layer's hot experts on its layer's GPU."""
+    from ktinject.rules.skeleton import build_skeleton
+    rules = tmp_path / "hot2.yaml"
+    rules.write_text("version: 1\ninclude: [deepseek-v2-hot, deepseek-v2-2gpu]\n")
+    p = plan(build_skeleton(tiny_config("deepseek_v2", num_hidden_layers=16), torch.bfloat16), str(rules))
+    by = {e.name: e for e in p.entries}
+    for layer, dev in ((1, "cuda:0"), (15, "cuda:1")):
+        e = by[f"model.layers.{layer}.mlp.experts"]
+        assert e.op == "gpu_experts" and canonical(e.device) == dev, (layer, e.op, e.device)
+    assert [str(b) for b in p.boundaries][1] == "model.layers.14: cuda -> cuda:1"

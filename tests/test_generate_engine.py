@@ -141,7 +141,7 @@ def test_kept_cache_grows_by_doubling_and_shrinks_when_far_too_large():
 
 
 def test_abandoned_or_concurrent_calls_do_not_share_the_kept_cache():
-    from ktinject.generate import release
+    from ktinject.generate import release_generation
     model = build_tiny("qwen3_moe")
     tok = byte_tokenizer(model.config.vocab_size)
     ref = reference_greedy(model, tok, "abc", 6)
@@ -156,7 +156,7 @@ def test_abandoned_or_concurrent_calls_do_not_share_the_kept_cache():
     assert model._ktinject_session is None
     generate(model, tok, "abc", max_new_tokens=6)
     assert model._ktinject_session is not None
-    release(model)
+    release_generation(model)
     assert model._ktinject_session is None
     assert generate(model, tok, "abc", max_new_tokens=6, static_cache=False).token_ids == ref
     assert model._ktinject_session is None                             # a dynamic cache is not kept
