@@ -26,13 +26,13 @@ def parse_quant(name: str) -> QT:
 def quantize_rows(w: torch.Tensor, qt: QT) -> torch.Tensor:
     """Dense f32 [rows, n] -> uint8 [rows, row_bytes] of type `qt` (`ktinject.weights.kquant`'s
     quantizers: the K-quants and, native where built, Q4_0 / Q5_0 / Q8_0 as gguf-py writes them;
-    gguf-py for the other legacy types; `quantize_iq4_xs` for IQ4_XS)."""
+    gguf-py for the other legacy types; `kquant.quantize_iq4_xs` for IQ4_XS)."""
     w = w.detach().to(torch.float32).contiguous()
     if qt == QT.BF16:
         return w.to(torch.bfloat16).view(torch.uint8).contiguous()
-    if qt == QT.IQ4_XS:
-        return quantize_iq4_xs(w.reshape(-1, 256)).reshape(w.shape[0], -1).contiguous()
     from ..weights import kquant
+    if qt == QT.IQ4_XS:
+        return kquant.quantize_iq4_xs(w.reshape(-1, 256)).reshape(w.shape[0], -1).contiguous()
     if qt.name in kquant.QUANTIZERS:
         data = kquant.QUANTIZERS[qt.name](w.reshape(-1, 256))
     elif kquant.legacy_quantizer(qt.name) is not None:
@@ -41,40 +41,6 @@ def quantize_rows(w: torch.Tensor, qt: QT) -> torch.Tensor:
         import gguf
         data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
     return data.reshape(w.shape[0], -1).contiguous()
-
-
-def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
-    """f32 [nb, 256] -> uint8 [nb, 136] IQ4_XS blocks (gguf-py has no IQ4_XS quantizer). A plain
-    round-to-nearest version of llama.cpp's (no scale search, no importance weights): each
-    32-value sub-block gets scale max / -127 (its value of largest magnitude onto the grid's end),
-    the 6-bit sub-block scales are those over the super-block's d = -max_scale / 32, and every
-    value takes the nearest grid point. Valid blocks with model-like values, for tests."""
-    x = x.detach().to(torch.float32).reshape(-1, 8, 32)
-    nb = x.shape[0]
-    from ..weights.quants import IQ4_NL_VALUES
-    grid = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
-    idx = x.abs().argmax(dim=2, keepdim=True)
-    sub = torch.gather(x, 2, idx).squeeze(2) / -127.0                     # [nb, 8] sub-block scales
-    big = torch.gather(sub, 1, sub.abs().argmax(dim=1, keepdim=True))    # [nb, 1]
-    d = (-big / 32.0).squeeze(1).to(torch.float16)                       # fp16 super-block scale
-    df = d.to(torch.float32)
-    inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
-    ls = torch.clamp(torch.round(sub * inv[:, None]), -32, 31).to(torch.int32) + 32   # [nb, 8] in 0..63
-    dl = df[:, None] * (ls - 32).to(torch.float32)                       # [nb, 8]
-    dinv = torch.where(dl != 0, 1.0 / dl, torch.zeros_like(dl))
-    q = (x * dinv[:, :, None]).unsqueeze(-1) - grid                       # [nb, 8, 32, 16]
-    qi = q.abs().argmin(dim=-1).to(torch.uint8)                           # [nb, 8, 32]
-    qs = (qi[:, :, :16] | (qi[:, :, 16:] << 4)).reshape(nb, 128)
-    scales_l = ((ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)).to(torch.uint8)          # [nb, 4]
-    sh = ((ls >> 4) & 3) << (2 * torch.arange(8, dtype=torch.int32))
-    scales_h = sh.sum(dim=1).to(torch.int32)                              # < 2**16
-    out = torch.empty(nb, 136, dtype=torch.uint8)
-    out[:, 0:2] = d.view(torch.uint8).reshape(nb, 2)
-    out[:, 2] = (scales_h & 0xFF).to(torch.uint8)
-    out[:, 3] = (scales_h >> 8).to(torch.uint8)
-    out[:, 4:8] = scales_l
-    out[:, 8:] = qs
-    return out
 
 
 def random_rows(qt: QT, rows: int, n: int, seed: int = 0, scale: float = 0.01, realistic: bool = False) -> torch.Tensor:
