@@ -285,7 +285,7 @@ def bench_mla(ctx_len: int = 32768, steps: int = 16) -> list[dict]:
 @torch.no_grad()
 def bench_generate(layers: int = 4, prompt_tokens: int = 512, new_tokens: int = 64) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
-    from .generate import generate
+    from .generate import generate, release_generation
     from .operators.linear_int4 import Int4Linear, Int4Options
     from .operators.mla_attention import replace_all
     from .tokenizer import byte_tokenizer
@@ -307,7 +307,9 @@ def bench_generate(layers: int = 4, prompt_tokens: int = 512, new_tokens: int = 
 
     def run(label, **kw):
         generate(model, tok, prompt[:32], max_new_tokens=4, **kw)          # warm-up (compiles kernels)
-        r = generate(model, tok, prompt, max_new_tokens=new_tokens, **kw)
+        # the measured call prefills its whole prompt and captures its own graph, as a first call does
+        release_generation(model)
+        r = generate(model, tok, prompt, max_new_tokens=new_tokens, reuse_prefix=False, **kw)
         row = {"setup": label, "layers": layers, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.token_ids),
                "prefill_tok_s": r.prefill_tokens_per_s, "decode_tok_s": r.decode_tokens_per_s,
                "decode_mode": r.decode_mode, "tokens": r.token_ids[:16]}

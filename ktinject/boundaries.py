@@ -132,10 +132,9 @@ def attach_memo(model: nn.Module) -> TransferMemo:
 
 
 def make_current(device: torch.device) -> None:
-    """Make a CUDA device current (a bare `cuda` is `cuda:0`, as in `canonical`)."""
-    index = 0 if device.index is None else device.index
-    if torch.cuda.current_device() != index:
-        torch.cuda.set_device(index)
+    """Make a CUDA device current (a bare `cuda`, the current one, changes nothing)."""
+    if device.index is not None and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device.index)
 
 
 def attach_device_restore(model: nn.Module) -> None:

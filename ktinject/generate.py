@@ -21,11 +21,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+
+from .errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -168,16 +171,17 @@ def _wait_int(t: torch.Tensor) -> int:
     for the whole step, a core the CPU experts' workers need."""
     if t.device.type == "cuda":
         index = _index(t.device)
-        ev = _WAIT_EVENTS.get(index)
-        if ev is None:                    # one per GPU, re-recorded each token
+        events = _WAIT_EVENTS.__dict__.setdefault("events", {})
+        ev = events.get(index)
+        if ev is None:                    # one per GPU and thread, re-recorded each token
             with torch.cuda.device(index):
-                ev = _WAIT_EVENTS[index] = torch.cuda.Event(blocking=True)
+                ev = events[index] = torch.cuda.Event(blocking=True)
         ev.record(torch.cuda.current_stream(index))
         ev.synchronize()
     return int(t)
 
 
-_WAIT_EVENTS: dict[int, Any] = {}
+_WAIT_EVENTS = threading.local()
 
 
 def _host_error_check() -> Optional[Callable[[], None]]:
@@ -281,6 +285,9 @@ class _Stepper:
         _rewind(self.cache, pos)
         self.graph = graph
 
+    def drop_graph(self) -> None:
+        self.graph, self.pools = None, {}
+
     def decode(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
         if self.graph is None:
             return self.forward(tok.view(1, 1), pos)
@@ -305,18 +312,32 @@ class _Session:
         self.marks: tuple = ()
         self.busy = False
         self.tokens: list[int] = []        # the ids whose keys and values sit at positions 0, 1, ...
+        self.writes: tuple = ()             # _cache_writes when `tokens` was set
+
+
+def _tensors_in(value, depth: int = 2):
+    """Tensors held directly in a module attribute, or in a list / tuple / dict of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v, depth - 1)
+    elif depth and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v, depth - 1)
 
 
 def _marks(model, cache) -> tuple:
-    """What a captured decode step points at: every parameter and buffer, the operators' own
-    caches (MLA's latent cache), the stream-ordered CPU jobs of one-token steps (their C records and
-    buffers) and the static cache's tensors. A reload, a grown operator cache or dropped jobs change them, and
-    the graph is then captured again instead of replayed."""
-    out = [t.data_ptr() for t in model.parameters()] + [t.data_ptr() for t in model.buffers()]
+    """What a captured decode step points at: every tensor the modules hold (parameters, buffers
+    and plain attributes such as MLA's latent cache and absorbed weights or the GPU experts'
+    packed weights), the stream-ordered CPU jobs of one-token steps (their C records and
+    buffers) and the static cache's tensors. A reload, a grown operator cache or dropped jobs
+    change them, and the graph is then captured again instead of replayed."""
+    out = []
     for m in model.modules():
-        kv = getattr(m, "kv_cache", None)
-        if isinstance(kv, torch.Tensor):
-            out.append(kv.data_ptr())
+        for name, value in vars(m).items():
+            if name != "_modules":
+                out.extend(t.data_ptr() for t in _tensors_in(value))
         jobs = getattr(m, "_jobs", None)          # cpu_experts: (device, tokens, k) -> job; decode's are 1-token
         if isinstance(jobs, dict):
             out.extend(getattr(j, "serial", id(j)) for key, j in jobs.items()
@@ -329,11 +350,28 @@ def _marks(model, cache) -> tuple:
     return tuple(out)
 
 
+def _own_caches(model) -> list:
+    """Modules that keep a cache of their own (MLA's latent cache): one per module, shared by
+    every generation on the model."""
+    return [m for m in model.modules() if m is not model and callable(getattr(m, "reserve", None))]
+
+
+def _cache_writes(model) -> tuple:
+    """The own caches' write counters: a change since a call ended means something else wrote
+    there (a direct forward, another generation), so the kept tokens no longer describe them."""
+    return tuple(int(getattr(m, "cache_writes", 0)) for m in _own_caches(model))
+
+
 def release_generation(model) -> None:
-    """Free the static cache and decode graph a model keeps between `generate` calls."""
+    """Free the static cache, decode graph and operator caches a model keeps between `generate`
+    calls (they are made again by the next call). An error while a generation is still open."""
     session = getattr(model, "_ktinject_session", None)
-    if session is not None and not session.busy:
-        model._ktinject_session = None
+    if session is not None and session.busy:
+        raise ModelError("release_generation: a generation on this model is still open; finish or close it first")
+    model._ktinject_session = None
+    for m in _own_caches(model):
+        if callable(getattr(m, "release", None)):
+            m.release()
 
 
 def _session(model, needed: int, max_cache_len: Optional[int], device: torch.device, static: bool):
@@ -347,14 +385,17 @@ def _session(model, needed: int, max_cache_len: Optional[int], device: torch.dev
     doubles the old, so a growing conversation recaptures O(log) times, not every turn."""
     size = max_cache_len or -(-needed // 256) * 256
     old = getattr(model, "_ktinject_session", None)
-    if not static or (old is not None and old.busy):
+    if old is not None and old.busy:
+        if _own_caches(model):
+            raise ModelError("a generation on this model is still open, and its operators keep one cache each "
+                             "(MLA's latent cache), so a second one cannot run beside it: finish or close the first")
         cache, kind = _make_cache(model, size, 1, device, static)
         return cache, kind, _Stepper(model, cache, device), None
-    if old is not None and old.device == device and size <= old.length <= 2 * size:
+    if static and old is not None and old.device == device and size <= old.length <= 2 * size:
         return old.cache, "static", old.stepper, old
-    if old is not None and max_cache_len is None and old.length < size <= 2 * old.length:
+    if static and old is not None and max_cache_len is None and old.length < size <= 2 * old.length:
         size = 2 * old.length
-    model._ktinject_session = None
+    model._ktinject_session = None        # also for a dynamic cache: it re-reserves the operators' caches
     del old
     cache, kind = _make_cache(model, size, 1, device, static)
     stepper = _Stepper(model, cache, device)
@@ -422,7 +463,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
         yield from _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, seed, chunk_size,
                                   cuda_graph, cache, cache_kind, stepper, None, 0)
         return
-    cached = _cached_prefix(session, ids[0].tolist()) if reuse_prefix else 0
+    cached = _cached_prefix(session, ids[0].tolist()) \
+        if reuse_prefix and session.writes == _cache_writes(model) and not _sliding(cache) else 0
     if cached:
         _rewind(cache, cached)            # the kept entries past it are overwritten before they are read
     elif session.tokens or session.marks:
@@ -438,6 +480,11 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
         session.busy = False
         if not ok and getattr(model, "_ktinject_session", None) is session:
             model._ktinject_session = None      # a failed or abandoned call may leave it half-updated
+
+
+def _sliding(cache) -> bool:
+    """A sliding-window layer rolls its entries: its counters cannot be set back to a prefix."""
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
 
 
 def _cached_prefix(session: "_Session", prompt: list[int]) -> int:
@@ -472,7 +519,7 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
     blocker = "disabled" if cuda_graph == "off" else _graph_blocker(model, logits.device)
     mode = f"eager ({blocker})" if blocker else "cuda-graph"
     if stepper.graph is not None and (blocker or session is None or _marks(model, cache) != session.marks):
-        stepper.graph = None              # kept from an earlier call, but not to be replayed now
+        stepper.drop_graph()              # kept from an earlier call, but not to be replayed now
     if blocker and cuda_graph == "require":
         raise RuntimeError(f"cuda_graph='require' but the decode step cannot be captured: {blocker}")
 
@@ -503,12 +550,13 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
             # the first decode step runs eagerly (kernels compile, caches settle), then capture
             if mode == "cuda-graph" and stepper.graph is None and step >= 1:
                 try:
-                    stepper.capture(pos, logits.device)
+                    with torch.cuda.device(logits.device):   # the graph's capture stream lives there
+                        stepper.capture(pos, logits.device)
                     if session is not None:
                         session.marks = _marks(model, cache)
                 except Exception as exc:     # report, then decode eagerly from a clean state
                     _rewind(cache, pos)
-                    stepper.graph = None
+                    stepper.drop_graph()
                     mode = f"eager (capture failed: {type(exc).__name__}: {str(exc)[:120]})"
                     if cuda_graph == "require":
                         raise
@@ -530,7 +578,7 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
         yield text[emitted:]
     t2 = time.perf_counter()
     if session is not None:
-        session.tokens = fed
+        session.tokens, session.writes = fed, _cache_writes(model)
     if result is not None:
         result.update(text=text, token_ids=tokens, prompt_tokens=n_prompt, prefill_seconds=t1 - t0,
                       decode_seconds=t2 - t1, stop_reason=reason, decode_mode=mode, cache=cache_kind,
@@ -548,8 +596,12 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_new_tok
     cuda_graph ("auto" | "off" | "require"), max_cache_len, static_cache, reuse_prefix (engine).
     """
     info: dict = {}
-    for piece in stream_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop=stop,
-                                 result=info, **options):
-        if on_text:
-            on_text(piece)
+    pieces = stream_generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop=stop, result=info,
+                             **options)
+    try:
+        for piece in pieces:
+            if on_text:
+                on_text(piece)
+    finally:
+        pieces.close()                    # an error in on_text must not leave the generation open
     return GenerationResult(**info)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import weights
-from .boundaries import TransferMemo, attach_device_restore, attach_memo, make_current
+from .boundaries import TransferMemo, attach_device_restore, attach_memo, make_current, trunk
 from .errors import LoadError, ModelError
 from .operators import registry
 from .operators.base import BuildContext, Operator
@@ -370,15 +370,23 @@ def _load_branch(module: nn.Module, prefix: str, source, device: torch.device, d
 # ---------------------------------------------------------------- cross-device calls
 
 def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
-    """Hooks on each child of a module spanning several devices: a child on a GPU gets its inputs
-    moved there, and makes that GPU the current CUDA device while it runs, so kernels that launch
-    on the current device (Triton) launch on the right one, and an operator (which would move its
-    inputs itself and its result back) computes where its input already is: the hidden state
-    crosses each boundary once. Plain modules on the CPU get their inputs moved too; CPU
-    operators take them where they are (stream-ordered CPU experts read GPU inputs). The root
-    restores the caller's current device when the forward ends, error or not. Copies go through
-    the model's per-forward `TransferMemo`, so a tensor crosses to a device once per forward pass
-    (see ktinject/boundaries.py). Returns the number of hooked children."""
+    """Hooks on each child of a module spanning several devices (see docs/architecture.md,
+    "Devices and boundaries"):
+
+    * a plain module gets its tensor inputs moved to its device and, on a GPU, makes that GPU
+      the current CUDA device, so kernels that launch on the current device (Triton) launch on
+      the right one;
+    * an operator or phase dispatcher that is a stage of the trunk (a decoder layer, the final
+      norm, `lm_head`: the path the hidden state takes) and sits on a GPU gets the same, so it
+      computes where its input already is and keeps its result there: the hidden state crosses
+      each boundary once (left alone, an operator moves its input in and its result back);
+    * any other operator or dispatcher is left alone: it moves its inputs itself and returns its
+      result to the caller's device (stream-ordered CPU experts read their GPU inputs in place).
+
+    The root restores the caller's current device when the forward ends, error or not. Copies go
+    through the model's per-forward `TransferMemo`, so a tensor crosses to a device once per
+    forward pass (see ktinject/boundaries.py). A bare `cuda` is the device current now, where
+    loading put it. Returns the number of hooked children."""
     devices: dict[str, set[str]] = {}
     own: dict[str, str] = {}
     for e in the_plan.entries:
@@ -391,6 +399,7 @@ def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
     memo = attach_memo(model)
     if any(d.startswith("cuda") for d in devices[""]):
         attach_device_restore(model)
+    stages = {e.name for e in trunk(the_plan.entries)}
     count = 0
     for name, mod in model.named_modules():
         if len(devices.get(name, ())) <= 1 or isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
@@ -399,12 +408,21 @@ def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
             if full not in own:
                 continue
             if isinstance(child, (Operator, PhaseDispatch)) and \
-                    not any(d.startswith("cuda") for d in devices.get(full, ())):
-                continue                  # a CPU operator takes its inputs where they are (stream-ordered experts)
-            child.register_forward_pre_hook(_make_hook(memo, _device(own[full])), with_kwargs=True)
+                    (full not in stages or not any(d.startswith("cuda") for d in devices.get(full, ()))):
+                continue
+            child.register_forward_pre_hook(_make_hook(memo, _hook_device(own[full])), with_kwargs=True)
             count += 1
     log.debug("installed %d device hooks", count)
     return count
+
+
+def _hook_device(device: str) -> torch.device:
+    """The planned device with a bare `cuda` resolved to the GPU current at load time (where its
+    tensors went)."""
+    dev = _device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return dev
 
 
 def _called_children(mod: nn.Module, name: str):
@@ -423,9 +441,11 @@ def _make_hook(memo: TransferMemo, device: torch.device):
     def hook(module, args, kwargs):
         dev = module.devices[current()] if isinstance(module, PhaseDispatch) else device
         if dev.type != "cuda":
-            # plain modules on the CPU get their inputs there; operators and dispatchers move them
-            return None if isinstance(module, (Operator, PhaseDispatch)) else \
-                (memo.move_all(args, dev), memo.move_all(kwargs, dev))
+            # plain modules on the CPU get their inputs there; a dispatcher in its CPU phase
+            # moves them itself
+            if isinstance(module, PhaseDispatch):
+                return None
+            return memo.move_all(args, dev), memo.move_all(kwargs, dev)
         make_current(dev)
         return memo.move_all(args, dev), memo.move_all(kwargs, dev)
     return hook

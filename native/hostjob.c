@@ -53,7 +53,7 @@ static int skip_jobs(void) {
 void ktk_host_submit(void *arg) {
     ktk_host_job *j = arg;
     if (!j) return;
-    if (!j->moe || !j->pool || j->T < 0 || j->k < 1 || !out_floats(j) || !j->x || !j->ids || !j->w) {
+    if (!j->moe || !j->pool || j->k < 1 || !out_floats(j) || !j->x || !j->ids || !j->w) {   /* out_floats: T, hidden */
         fail(j, KTK_EINVAL);
         return;
     }

@@ -106,10 +106,11 @@ def _hooked(model, name):
 
 
 @pytest.mark.parametrize("pack,family,layers,split", TWO_GPU[:1] + TWO_GPU[2:])
-def test_two_gpu_hooks_cover_gpu_operators_not_cpu_ones(pack, family, layers, split):
-    """On the injected skeleton (meta): the final norm and lm_head (operators on cuda:0 after a
-    layer on cuda:1) take their inputs through the hooks, so the hidden state crosses back once;
-    the CPU experts (stream-ordered: they read GPU inputs) get none."""
+def test_two_gpu_hooks_cover_trunk_operators_only(pack, family, layers, split):
+    """On the injected skeleton (meta): the final norm and lm_head (trunk stages, operators on
+    cuda:0 after a layer on cuda:1) take their inputs through the hooks, so the hidden state
+    crosses back once and stays there; operators inside a layer (the MoE block, the CPU experts)
+    keep moving their own inputs and returning results to their caller's device."""
     from ktinject.load import apply
     from ktinject.rules.skeleton import build_skeleton
     config = tiny_config(family, num_hidden_layers=split + 2)
@@ -118,20 +119,24 @@ def test_two_gpu_hooks_cover_gpu_operators_not_cpu_ones(pack, family, layers, sp
     apply(skeleton, p, config)
     assert install_device_hooks(skeleton, p) > 0
     assert _hooked(skeleton, "model.norm") and _hooked(skeleton, "lm_head")
-    assert _hooked(skeleton, f"model.layers.{split}") and _hooked(skeleton, f"model.layers.{split}.mlp")
+    assert _hooked(skeleton, f"model.layers.{split}")
+    assert not _hooked(skeleton, f"model.layers.{split}.input_layernorm")       # an operator in the layer
+    assert not _hooked(skeleton, f"model.layers.{split}.mlp")
     assert not _hooked(skeleton, f"model.layers.{split}.mlp.experts")
     assert skeleton.ktinject_device_restore
 
 
 def test_cpu_hooks_move_plain_modules_inputs_only():
     from ktinject.load import _make_hook
-    from ktinject.operators.base import Operator
+    from ktinject.phase import PhaseDispatch
     memo = TransferMemo()
     hook = _make_hook(memo, torch.device("meta"))
     x = torch.ones(2)
     args, kwargs = hook(torch.nn.Identity(), (x,), {"y": x})
     assert args[0].device.type == "meta" and kwargs["y"] is args[0]          # moved once
-    assert _make_hook(memo, torch.device("cpu"))(Operator(), (x,), {}) is None  # a CPU operator: untouched
+    cpu = torch.device("cpu")
+    dispatch = PhaseDispatch(torch.nn.Identity(), torch.nn.Identity(), cpu, cpu)
+    assert _make_hook(memo, cpu)(dispatch, (x,), {}) is None                 # moves its inputs itself
 
 
 def test_device_restore_runs_when_the_forward_raises():

@@ -57,9 +57,12 @@ def test_logits_equal_one_gpu(layouts):
         return model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=64), use_cache=True).logits
 
     ref, again = logits(one), logits(one)
-    before = torch.cuda.current_device()
-    got = logits(two)
-    assert torch.cuda.current_device() == before            # the root puts the caller's device back
+    torch.cuda.set_device(1)                                # the caller's current device: not the model's first
+    try:
+        got = logits(two)
+        assert torch.cuda.current_device() == 1             # the root puts the caller's device back
+    finally:
+        torch.cuda.set_device(0)
     assert got.device == ref.device
     # the same kernels on the same GPU model in the same order: the layouts agree to the bit
     # wherever the one-GPU layout agrees with itself run to run

@@ -39,7 +39,8 @@ def chat_loop(model, tokenizer, read: Callable[[], Optional[str]], write: Callab
               system: Optional[str] = None, on_result: Optional[Callable] = None, **gen_options) -> list[dict]:
     """Run turns until `read` returns None or /exit; returns the conversation. `on_result` gets each
     turn's GenerationResult. Each turn's prompt is the whole conversation; the engine keeps the
-    earlier turns' keys and values, so only the new tokens are prefilled."""
+    earlier turns' keys and values, so only what follows the longest shared prefix is prefilled
+    (docs/gpu.md, "Generation engine")."""
     from ..generate import generate
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)

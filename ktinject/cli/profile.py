@@ -61,7 +61,9 @@ def record_profile(model, tokenizer, prompts: Iterable[str], max_new_tokens: int
     n_prompts, tokens = 0, 0
     try:
         for prompt in prompts:
-            r = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, cuda_graph="off")
+            # every prompt token routed (a prefix kept from the previous prompt would skip some)
+            r = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, cuda_graph="off",
+                         reuse_prefix=False)
             n_prompts += 1
             tokens += r.prompt_tokens + len(r.token_ids)
     finally:

@@ -107,6 +107,7 @@ class MLAAttention(Operator):
             setattr(self, name, getattr(original, name, None))
         self.kv_cache: Optional[torch.Tensor] = None       # [B, L, R + r]
         self.reserved = False        # sized by reserve(): decode never syncs with the host or grows
+        self.cache_writes = 0        # bumped by every Python-side write or resize of kv_cache
         self._absorbed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     # ---- construction -------------------------------------------------------------------
@@ -152,9 +153,11 @@ class MLAAttention(Operator):
             self.kv_cache = torch.zeros(batch, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
                                         device=device, dtype=dtype)
         self.reserved = True
+        self.cache_writes += 1
 
     def release(self) -> None:
         self.kv_cache, self.reserved = None, False
+        self.cache_writes += 1
 
     @property
     def cache_bytes(self) -> int:
@@ -230,6 +233,7 @@ class MLAAttention(Operator):
             if needed:
                 self._ensure_capacity(bsz, needed, new_kv)
             kv_all = self.kv_cache[:bsz]                                      # [B, L, R+r]
+            self.cache_writes += 1            # counted where Python runs (not in graph replays): see generate._cache_writes
             kv_all.scatter_(1, pos.unsqueeze(-1).expand(-1, -1, r + dr), new_kv.to(kv_all.dtype))
             if needed:
                 kv_all = kv_all[:, :needed]
