@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -31,8 +32,10 @@ class ModelBench:
     model: str
     rules: str
     prefill: dict = field(default_factory=dict)       # prompt tokens -> tokens/s
-    decode_tokens_per_s: float = 0.0                  # steady state: after the eager first step and the capture
-    decode_tokens_per_s_incl_warmup: float = 0.0      # the whole decode, those one-time costs included
+    decode_tokens_per_s: float = 0.0                  # steady state (median of the runs): after the eager first
+                                                      # step and the capture
+    decode_tokens_per_s_incl_warmup: float = 0.0      # the first run's whole decode, those one-time costs included
+    decode_runs: list = field(default_factory=list)   # each run's steady tokens/s (spread: machine noise)
     decode_mode: str = ""
     cpu_expert_bytes_per_token: int = 0
     cpu_dense_bytes_per_token: int = 0
@@ -118,8 +121,14 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 
 def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2048, 8192),
-              decode_tokens: int = 64, decode_prompt: int = 128, warm: bool = True,
-              progress=None) -> ModelBench:
+              decode_tokens: int = 64, decode_prompt: int = 128, warm: bool = True, repeat: int = 3,
+              probe_gib: float = 4.0, progress=None) -> ModelBench:
+    """Load `model_path` with `rules`, time prefill at each prompt length (once each: they are
+    long) and decode `repeat` times (different prompts; the median steady rate is reported with
+    every run's, since CPU experts on a shared machine swing between identical runs), then
+    measure the machine for the roofline (`probe_gib`: the CPU bandwidth probe's buffer)."""
+    if repeat < 1:
+        raise KtInjectError(f"repeat must be >= 1, got {repeat}")
     from .generate import generate
     from .load import optimize_and_load
     say = progress or (lambda msg: None)
@@ -143,20 +152,25 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
         r = generate(model, tok, _prompt(vocab, n, n), max_new_tokens=1, max_cache_len=max_len,
                      reuse_prefix=False)
         res.prefill[str(n)] = round(r.prefill_tokens_per_s, 1)
-    say(f"decode {decode_tokens} tokens")
     # the cache sized for this generation, as generate() sizes it (a decode step's attention spans
-    # the whole static cache, so the longest prefill's cache would slow it)
-    r = generate(model, tok, _prompt(vocab, decode_prompt, 1), max_new_tokens=decode_tokens)
-    steady = r.steady_decode_tokens_per_s
-    res.decode_tokens_per_s = round(r.decode_tokens_per_s if math.isnan(steady) else steady, 2)   # nan: < 3 tokens
-    res.decode_tokens_per_s_incl_warmup = round(r.decode_tokens_per_s, 2)
-    res.decode_mode = str(getattr(r, "decode_mode", ""))
+    # the whole static cache, so the longest prefill's cache would slow it); the first run makes
+    # and captures it, later runs replay the kept graph
+    for i in range(repeat):
+        say(f"decode {decode_tokens} tokens ({i + 1}/{repeat})")
+        r = generate(model, tok, _prompt(vocab, decode_prompt, 1 + i), max_new_tokens=decode_tokens,
+                     reuse_prefix=False)
+        steady = r.steady_decode_tokens_per_s
+        res.decode_runs.append(round(r.decode_tokens_per_s if math.isnan(steady) else steady, 2))   # nan: < 3 tokens
+        if i == 0:
+            res.decode_tokens_per_s_incl_warmup = round(r.decode_tokens_per_s, 2)
+            res.decode_mode = str(getattr(r, "decode_mode", ""))
+    res.decode_tokens_per_s = round(statistics.median(res.decode_runs), 2)
     say("measuring the machine")
     res.cpu_expert_bytes_per_token, res.threads = cpu_expert_bytes_per_token(model)
     res.cpu_dense_bytes_per_token = dense_bytes_per_token(model, "cpu")
     res.gpu_bytes_per_token = dense_bytes_per_token(model, "cuda")
     cpu_bytes = res.cpu_expert_bytes_per_token + res.cpu_dense_bytes_per_token
-    res.cpu_bandwidth_gbps = round(cpu_read_bandwidth(res.threads or 0), 1) if cpu_bytes else 0.0
+    res.cpu_bandwidth_gbps = round(cpu_read_bandwidth(res.threads or 0, probe_gib), 1) if cpu_bytes else 0.0
     res.gpu_bandwidth_gbps = round(gpu_copy_bandwidth(), 1) if res.gpu_bytes_per_token else 0.0
     seconds = 0.0
     if cpu_bytes:

@@ -37,3 +37,24 @@ def test_bench_table_and_errors(capsys):
     assert "q3_k" in capsys.readouterr().err
     assert main(["bench", "some-model-dir"]) == 2
     assert "allowed: experts" in capsys.readouterr().err
+
+
+def test_bench_model_json_on_the_cpu(capsys, tmp_path):
+    """`ktinject bench MODEL`: prefill per prompt length, the median of the decode runs with each
+    run, and the roofline from the bytes per token and the measured bandwidth."""
+    from statistics import median
+
+    from ktinject.testing import save_tiny
+    d = save_tiny("qwen3_moe", tmp_path / "m")
+    rc = main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--prompt-lengths", "16,40", "--decode-tokens", "6",
+               "--repeat", "3", "--probe-gib", "0.03", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(res["prefill"]) == {"16", "40"} and all(v > 0 for v in res["prefill"].values())
+    assert len(res["decode_runs"]) == 3 and res["decode_tokens_per_s"] == round(median(res["decode_runs"]), 2)
+    assert res["decode_tokens_per_s_incl_warmup"] > 0 and res["decode_mode"].startswith("eager")
+    assert res["cpu_expert_bytes_per_token"] > 0 and res["gpu_bytes_per_token"] == 0
+    expected = 1e9 * res["cpu_bandwidth_gbps"] / (res["cpu_expert_bytes_per_token"] + res["cpu_dense_bytes_per_token"])
+    assert res["roofline_tokens_per_s"] == pytest.approx(expected, rel=0.01)
+    assert res["fraction"] == pytest.approx(res["decode_tokens_per_s"] / res["roofline_tokens_per_s"], abs=1e-3)
+    assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--repeat", "0"]) == 2

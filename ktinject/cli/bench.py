@@ -38,6 +38,7 @@ def add_arguments(p) -> None:
     m.add_argument("--prompt-lengths", default="512,2048,8192", help="prefill prompt lengths (comma-separated)")
     m.add_argument("--decode-tokens", type=int, default=64, help="tokens to decode (default 64)")
     m.add_argument("--no-warm", action="store_true", help="do not fault in memory-mapped expert weights first")
+    m.add_argument("--repeat", type=int, default=3, help="decode runs; the median is reported, with each run (default 3)")
     m.add_argument("--config-dir", default=None, help="HF config directory overriding the model's own")
     g = p.add_argument_group("experts")
     g.add_argument("--hidden", type=int, default=2048, help="hidden size H (default: DeepSeek-V2-Lite 2048)")
@@ -49,7 +50,8 @@ def add_arguments(p) -> None:
     g.add_argument("--threads", default="0", help="worker threads, comma-separated (0 = all CPUs)")
     g.add_argument("--isa", default=None, help="force an ISA path: scalar, avx2, avx512, amx")
     g.add_argument("--gib", type=float, default=4.0, help="size of the cycled weight set in GiB (default 4)")
-    g.add_argument("--probe-gib", type=float, default=4.0, help="bandwidth probe buffer in GiB (default 4)")
+    g.add_argument("--probe-gib", type=float, default=4.0, help="bandwidth probe buffer in GiB (default 4; "
+                   "also the model bench's)")
     g.add_argument("--seconds", type=float, default=1.0, help="time budget per configuration (default 1 s)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
 
@@ -71,7 +73,8 @@ def bench_model(args) -> int:
     from ._common import pick_rules
     rules = pick_rules(args.rules, args.target, err_console, args.config_dir)
     res = run_bench(args.target, rules, prompt_lengths=_ints(args.prompt_lengths),
-                    decode_tokens=args.decode_tokens, warm=not args.no_warm,
+                    decode_tokens=args.decode_tokens, warm=not args.no_warm, repeat=args.repeat,
+                    probe_gib=args.probe_gib,
                     progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
     if args.json:
         sys.stdout.write(json.dumps(res.to_dict()) + "\n")
@@ -82,7 +85,9 @@ def bench_model(args) -> int:
     t.add_column("value", justify="right")
     for n, tps in res.prefill.items():
         t.add_row(f"prefill {n} tokens", f"{tps:.0f} tok/s")
-    t.add_row(f"decode ({res.decode_mode}), steady", f"{res.decode_tokens_per_s:.1f} tok/s")
+    runs = ", ".join(f"{v:.1f}" for v in res.decode_runs)
+    t.add_row(f"decode ({res.decode_mode}), steady, median of {len(res.decode_runs)}",
+              f"{res.decode_tokens_per_s:.1f} tok/s ({runs})")
     t.add_row("decode, first steps included (eager step, capture)", f"{res.decode_tokens_per_s_incl_warmup:.1f} tok/s")
     t.add_row("CPU expert bytes / token", f"{res.cpu_expert_bytes_per_token / 1e6:.1f} MB")
     t.add_row("CPU other bytes / token", f"{res.cpu_dense_bytes_per_token / 1e6:.1f} MB")
