@@ -482,6 +482,23 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             model._ktinject_session = None      # a failed or abandoned call may leave it half-updated
 
 
+@contextlib.contextmanager
+def _decode_torch_threads(model):
+    """Torch's intra-op threads for the decode loop: the fewest any module asks for
+    (`decode_torch_threads`, e.g. `cpu_linear`: its native pool does the heavy work, and torch's
+    OpenMP threads spinning between the few small ops left would take the workers' cores)."""
+    want = [int(t) for m in model.modules() for t in [getattr(m, "decode_torch_threads", None)] if t]
+    before = torch.get_num_threads()
+    if not want or min(want) >= before:
+        yield
+        return
+    torch.set_num_threads(min(want))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _sliding(cache) -> bool:
     """A sliding-window layer rolls its entries: its counters cannot be set back to a prefix."""
     return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
@@ -528,7 +545,7 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
     emitted, reason, text = 0, "length", ""
     decodes, t_steady, steady_from = 0, None, 0
     tok = first
-    with _phase("generate"):
+    with _phase("generate"), _decode_torch_threads(model):
         for step in range(max_new_tokens):
             if tok in eos:
                 reason = "eos"

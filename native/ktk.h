@@ -58,6 +58,14 @@ int ktk_dequant_row_isa(int isa, int type, const uint8_t *src, float *dst, int64
 int ktk_gemv(int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
              const float *x, float *y);
 
+/* ---- dense layers on GGML rows (linear.c) ----
+ * y[t*rows + r] = dot(row r of W, x[t*n ...]) for t < T, r < rows, over the pool's workers (the
+ * calling thread alone when p is NULL or busy). ktk_dequant_rows: dst[r*n ...] = row r as f32. */
+int ktk_linear(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
+               int64_t T, const float *x, float *y);
+int ktk_dequant_rows(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
+                     float *dst);
+
 /* ---- the fused MoE layer ---- */
 typedef struct {
     int gate_type, up_type, down_type;   /* GGML types */

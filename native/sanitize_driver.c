@@ -87,6 +87,21 @@ int main(void) {
                         }
                     }
                 }
+                {   /* dense layer (linear.c) over the pool and on this thread: each token's row of
+                     * results equals the single-thread gemv of that token, bitwise; the last expert's
+                     * rows end the buffer (no overread) */
+                    const uint8_t *gl = g + (E - 1) * I * rbh;
+                    static float yp[3 * 512], ya[3 * 512], yt[512];
+                    int bad = ktk_linear(pool, isa, t, gl, rbh, I, H, 3, x, yp) || ktk_linear(NULL, isa, t, gl, rbh, I, H, 3, x, ya);
+                    for (int tt = 0; tt < 3 && !bad; tt++) {
+                        ktk_gemv(isa, t, gl, rbh, I, H, x + tt * H, yt);
+                        bad = memcmp(yt, yp + tt * I, (size_t)I * sizeof(float)) || memcmp(yt, ya + tt * I, (size_t)I * sizeof(float));
+                    }
+                    float *dq = malloc((size_t)(I * H) * sizeof(float));
+                    bad = bad || !dq || ktk_dequant_rows(pool, isa, t, gl, rbh, I, H, dq);
+                    free(dq);
+                    if (bad) { fprintf(stderr, "MISMATCH type %d isa %d: ktk_linear differs from ktk_gemv\n", t, isa); fails++; }
+                }
                 int rc = ktk_moe_forward(m, pool, isa, T, k, x, ids, w, out);
                 double em = rel(out, ref, T * H);
                 printf("type %2d isa %d T %2d gemv %.4f moe %.4f\n", t, isa, T, eg, em);
@@ -103,6 +118,9 @@ int main(void) {
         free(g); free(u); free(dn);
     }
     if (ktk_row_bytes(KTK_Q4_K, 100) != -1 || ktk_gemv(KTK_ISA_SCALAR, 99, NULL, 0, 0, 32, NULL, NULL) != KTK_EINVAL) fails++;
+    if (ktk_linear(pool, KTK_ISA_SCALAR, KTK_Q8_0, NULL, 34, 4, 32, 1, NULL, NULL) != KTK_EINVAL ||
+        ktk_linear(pool, KTK_ISA_SCALAR, KTK_Q8_0, (const uint8_t *)"", 30, 0, 32, 1, NULL, NULL) != KTK_EINVAL ||
+        ktk_dequant_rows(pool, KTK_ISA_SCALAR, KTK_Q8_0, (const uint8_t *)"", 34, 1, 32, NULL) != KTK_EINVAL) fails++;
     /* K-quant quantizers: exact-size outputs (an overrun is an ASan finding), edge values */
     {
         const int types[3] = {KTK_Q4_K, KTK_Q5_K, KTK_Q6_K};

@@ -212,6 +212,13 @@ def row_bytes(ggml_type: int, n: int) -> int:
     return rb
 
 
+def row_bytes_or_none(ggml_type: int, n: int) -> Optional[int]:
+    """Bytes of a row of n values of the type, or None (not native, or n not whole blocks)."""
+    lib, _ = load()
+    rb = int(lib.ktk_row_bytes(int(ggml_type), int(n)))
+    return rb if rb >= 0 else None
+
+
 def dequant_row(ggml_type: int, row: torch.Tensor, n: int, isa_name: Optional[str] = None) -> torch.Tensor:
     """One GGML row to f32 [n] with the ISA path's dequantizer (the grouped/prefill path's)."""
     lib, ffi = load()
@@ -240,6 +247,46 @@ def gemv(ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor, isa_name: Opt
     return y
 
 
+def _rows(ggml_type: int, w: torch.Tensor, n: int) -> int:
+    _need(w, "w", torch.uint8, 2)
+    rb = row_bytes(ggml_type, n)
+    if w.shape[1] != rb:
+        raise NativeError(f"w: rows of {w.shape[1]} bytes, expected {rb} for {n} values of type {ggml_type}")
+    return rb
+
+
+def linear(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor,
+           isa_name: Optional[str] = None) -> torch.Tensor:
+    """y [T, rows] = x [T, n] (f32) times W^T, W as GGML rows (uint8 [rows, row_bytes]), over the
+    pool's workers (this thread alone when `pool` is None or busy)."""
+    lib, ffi = load()
+    rb = _rows(ggml_type, w, n)
+    _need(x, "x", torch.float32, 2)
+    if x.shape[1] != n:
+        raise NativeError(f"x: expected [T, {n}], got {list(x.shape)}")
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    check(lib.ktk_linear(pool.ptr if pool is not None else ffi.NULL, isa_index(isa_name), int(ggml_type),
+                         _ptr(ffi, w, "uint8_t *"), rb, w.shape[0], n, x.shape[0], _ptr(ffi, x, "float *"),
+                         _ptr(ffi, y, "float *")), "linear")
+    return y
+
+
+def dequant_rows(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int,
+                 out: Optional[torch.Tensor] = None, isa_name: Optional[str] = None) -> torch.Tensor:
+    """GGML rows (uint8 [rows, row_bytes]) to f32 [rows, n] over the pool's workers; into `out`
+    (f32, contiguous, at least rows * n values) when given."""
+    lib, ffi = load()
+    rb = _rows(ggml_type, w, n)
+    rows = w.shape[0]
+    if out is None:
+        out = torch.empty(rows, n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * n:
+        raise NativeError(f"out: need a contiguous float32 buffer of {rows * n} values")
+    check(lib.ktk_dequant_rows(pool.ptr if pool is not None else ffi.NULL, isa_index(isa_name), int(ggml_type),
+                               _ptr(ffi, w, "uint8_t *"), rb, rows, n, _ptr(ffi, out, "float *")), "dequant_rows")
+    return out.view(-1)[:rows * n].view(rows, n)
+
+
 def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[str] = None) -> float:
     lib, _ = load()
     v = float(lib.ktk_probe_read_gbps(pool.ptr, isa_index(isa_name), int(nbytes), int(reps)))
@@ -251,5 +298,6 @@ def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[s
 from .moe import MoEKernel, ExpertMatrix  # noqa: E402  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
-           "dequant_row", "gemv", "isa", "isa_index", "load", "missing_reason", "probe_read_gbps", "row_bytes",
+           "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "load", "missing_reason",
+           "probe_read_gbps", "row_bytes",
            "usable_isas"]

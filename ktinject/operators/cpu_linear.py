@@ -1,0 +1,143 @@
+"""`cpu_linear`: a linear layer on the CPU whose weight stays in GGML blocks.
+
+A GGUF weight of a type the native kernels read (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS,
+BF16, F16, F32) is kept as the file stores it (memory-mapped, no copy); float weights (a
+safetensors model, or the few dense tensors a GGUF reader rebuilds) keep their float type by
+default (`quant: auto`, exact) or are converted at load (`quant: q8_0`, ...). Decode-sized inputs (up to `gemv_max_tokens` tokens) are computed
+by the native multi-row dot products over the CPU experts' thread pool, so each token reads the
+weight once in its quantized form, as llama.cpp does on the CPU; while that pool is busy with the
+routed experts (the `moe` operator runs the shared experts meanwhile) the calling thread computes
+alone. Longer inputs (prompts) dequantize the rows in chunks of `chunk_mb` and multiply with
+torch. The maths is `y = x W^T + b` with W the dequantized weight, the activations rounded to
+8 bits per 32 values for the quantized types (the native dot products' activation format).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import LoadError
+from .base import BuildContext, Operator
+from .registry import register
+
+log = logging.getLogger(__name__)
+
+# quant option -> (GGML type id, bits per weight for the plan's byte count)
+QUANTS = {"q8_0": (8, 8.5), "q4_k": (12, 4.5), "q6_k": (14, 6.5625), "bf16": (30, 16.0), "f16": (1, 16.0),
+          "f32": (0, 32.0)}
+_FLOAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+@dataclass(frozen=True)
+class CpuLinearOptions:
+    quant: str = "auto"          # weights not already GGML rows the kernels read: auto keeps their float
+                                 # type (exact); q8_0, q4_k, q6_k, bf16, f16, f32 convert at load
+    threads: int = 0             # the native pool (0: all CPUs; the CPU experts' pool of the same size)
+    gemv_max_tokens: int = 16    # above: dequantize in chunks and multiply with torch
+    chunk_mb: int = 64           # float32 megabytes dequantized at a time on that path
+
+    def __post_init__(self):
+        if self.quant != "auto" and self.quant not in QUANTS:
+            raise ValueError(f"quant must be auto or one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.threads < 0 or self.gemv_max_tokens < 0 or self.chunk_mb < 1:
+            raise ValueError("threads and gemv_max_tokens must be >= 0, chunk_mb >= 1")
+
+
+@register("cpu_linear")
+class CpuLinear(Operator):
+    Options = CpuLinearOptions
+    replaces = ("Linear",)
+    device_types = ("cpu",)
+    summary = "linear on the CPU with GGML-block weights (as the GGUF stores them), native multi-row dots"
+    # decode: the native pool does the work; torch's OpenMP threads spinning between the small
+    # ops left would take its workers' cores (2 cores, V2-Lite: 16.5 -> 24.0 tok/s)
+    decode_torch_threads = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, options: CpuLinearOptions, name: str):
+        super().__init__()
+        self.in_features, self.out_features, self.options, self.name = in_features, out_features, options, name
+        self.has_bias = bias
+        self.ggml_type = -1
+        self.register_buffer("qweight", torch.empty(0, dtype=torch.uint8, device="meta"), persistent=False)
+        self.register_buffer("bias", torch.empty(out_features, device="meta") if bias else torch.empty(0),
+                             persistent=False)
+
+    @classmethod
+    def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
+        return cls(original.in_features, original.out_features, original.bias is not None,
+                   ctx.options or CpuLinearOptions(), ctx.name)
+
+    @classmethod
+    def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
+        opts = ctx.options or CpuLinearOptions()
+        n = original.weight.numel()
+        bits = QUANTS[opts.quant][1] if opts.quant != "auto" else (ctx.dtype or original.weight.dtype).itemsize * 8
+        return {"cpu": int(n * bits / 8) + (original.out_features * 4 if original.bias is not None else 0)}
+
+    def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
+        from .. import native
+        from ..native.synth import quantize_rows
+        from ..weights.tensor import GGMLTensor, as_dense, logical_shape
+        from .cpu_experts import NATIVE_TYPES
+        key = prefix + "weight"
+        if key not in source:
+            raise LoadError("tensor not found in the weights", missing=[key])
+        t = source[key]
+        want = (self.out_features, self.in_features)
+        if tuple(logical_shape(t)) != want:
+            raise LoadError("tensor shape differs from the model",
+                            mismatched=[f"{key} (file {list(logical_shape(t))}, model {list(want)})"])
+        if isinstance(t, GGMLTensor) and t.ggml_type in NATIVE_TYPES.values():
+            self.ggml_type, data = int(t.ggml_type), t.data.reshape(self.out_features, -1)
+        else:
+            dense = as_dense(t)
+            quant = self.options.quant if self.options.quant != "auto" else _FLOAT.get(dense.dtype, "f32")
+            qtype = QUANTS[quant][0]
+            dense = dense.to(torch.float32)
+            from gguf import GGMLQuantizationType as QT
+            if native.row_bytes_or_none(qtype, self.in_features) is None:   # rows not whole blocks of it
+                log.info("%s: %d inputs are not whole %s blocks; keeping bf16", key, self.in_features,
+                         QT(qtype).name)
+                qtype = QUANTS["bf16"][0]
+            if qtype in (QUANTS["f32"][0], QUANTS["f16"][0]):
+                data = dense.to(torch.float32 if qtype == 0 else torch.float16).contiguous().view(torch.uint8)
+            else:
+                data = quantize_rows(dense, QT(qtype))
+            self.ggml_type = qtype
+        self.qweight = data if data.is_contiguous() else data.contiguous()
+        native.row_bytes(self.ggml_type, self.in_features)                    # checks the pair once more
+        keys = {key}
+        if self.has_bias:
+            from ..load import fetch_dense
+            keys.add(prefix + "bias")
+            self.bias = fetch_dense(source, prefix + "bias", (self.out_features,), torch.float32, torch.device("cpu"))
+        self._pool = native.default_pool(self.options.threads)
+        return keys
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .. import native
+        # x: [..., in] -> [..., out], returned on x's device and dtype
+        x2 = x.detach().reshape(-1, self.in_features).to("cpu", torch.float32).contiguous()
+        T = x2.shape[0]
+        if T <= self.options.gemv_max_tokens:
+            y = native.linear(self._pool, self.ggml_type, self.qweight, self.in_features, x2)
+        else:
+            y = torch.empty(T, self.out_features, dtype=torch.float32)
+            step = max(1, (self.options.chunk_mb << 20) // (4 * self.in_features))
+            scratch = torch.empty(min(step, self.out_features) * self.in_features, dtype=torch.float32)
+            for r0 in range(0, self.out_features, step):
+                r1 = min(r0 + step, self.out_features)
+                w = native.dequant_rows(self._pool, self.ggml_type, self.qweight[r0:r1], self.in_features, out=scratch)
+                y[:, r0:r1] = x2 @ w.T
+        if self.has_bias:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.device, x.dtype)
+
+    def extra_repr(self) -> str:
+        from gguf import GGMLQuantizationType as QT
+        kind = QT(self.ggml_type).name if self.ggml_type >= 0 else self.options.quant
+        return f"op=cpu_linear, in={self.in_features}, out={self.out_features}, weight={kind}"

@@ -1,0 +1,179 @@
+"""`cpu_linear`: GGML-row linears on the CPU against x @ W^T with W dequantized (both paths:
+native multi-row dots for few tokens, chunked dequantize + torch for many), weights from a GGUF
+kept as stored, float sources quantized at load, bias, the busy-pool path, the overlay."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ktinject import native
+from ktinject.errors import NativeError
+
+pytestmark = pytest.mark.skipif(not native.ensure_built(), reason="native extension not built (no C compiler)")
+
+
+def _rows(qt, rows=96, n=512, seed=0):
+    from ktinject.native.synth import quantize_rows
+    w = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_rows(w, qt)
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.Q4_0, QT.IQ4_XS, QT.BF16])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_native_linear_equals_dequantized_matmul(qt, T):
+    pool = native.default_pool(2)
+    w = _rows(qt)
+    deq = native.dequant_rows(pool, int(qt), w, 512)
+    assert torch.equal(deq, torch.stack([native.dequant_row(int(qt), r, 512) for r in w]))
+    x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T))
+    ref = x @ deq.T
+    y = native.linear(pool, int(qt), w, 512, x)
+    # quantized types take 8-bit activations (per 32 values): that rounding, no more; bf16 exact-ish
+    tol = 2e-6 if qt == QT.BF16 else 1.5e-2
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < tol
+    assert torch.equal(native.linear(None, int(qt), w, 512, x), y)        # the caller's thread alone: same
+
+
+def test_native_linear_checks_its_arguments():
+    pool = native.default_pool(2)
+    w = _rows(QT.Q8_0)
+    with pytest.raises(NativeError, match="rows of"):
+        native.linear(pool, int(QT.Q4_K), w, 512, torch.zeros(1, 512))
+    with pytest.raises(NativeError, match=r"expected \[T, 512\]"):
+        native.linear(pool, int(QT.Q8_0), w, 512, torch.zeros(1, 256))
+    with pytest.raises(NativeError, match="float32"):
+        native.linear(pool, int(QT.Q8_0), w, 512, torch.zeros(1, 512, dtype=torch.float64))
+    with pytest.raises(NativeError, match="contiguous float32 buffer"):
+        native.dequant_rows(pool, int(QT.Q8_0), w, 512, out=torch.empty(10))
+
+
+def test_linear_beside_a_busy_pool():
+    """While the routed experts hold the pool, a linear runs on the calling thread, correctly."""
+    from ktinject.native import ExpertMatrix, MoEKernel
+    pool = native.default_pool(2)
+    E, H, I = 8, 256, 256
+    mats = [ExpertMatrix(int(QT.Q8_0), _rows(QT.Q8_0, E * r, c, seed=i), E, r, c)
+            for i, (r, c) in enumerate(((I, H), (I, H), (H, I)))]
+    kernel = MoEKernel(*mats, threads=2)
+    assert kernel.pool is pool
+    x = torch.randn(1, H)
+    ids, wts = torch.tensor([[0, 3]]), torch.ones(1, 2)
+    ref_moe = kernel.forward(x, ids, wts)
+    w = _rows(QT.Q4_K, rows=64, n=256)
+    ref = native.linear(None, int(QT.Q4_K), w, 256, x)
+    kernel.submit(x, ids, wts)
+    y = native.linear(pool, int(QT.Q4_K), w, 256, x)
+    assert torch.equal(kernel.sync(), ref_moe) and torch.equal(y, ref)
+
+
+def _op(qt_rows, bias, **kw):
+    from ktinject.operators.cpu_linear import CpuLinear, CpuLinearOptions
+    from ktinject.weights.tensor import GGMLTensor
+    rows, n = 80, 512
+    op = CpuLinear(n, rows, bias is not None, CpuLinearOptions(**kw), "t.proj")
+    source = {"t.proj.weight": qt_rows}
+    if bias is not None:
+        source["t.proj.bias"] = bias
+    assert op.load_weights("t.proj.", source) == set(source)
+    return op
+
+
+@pytest.mark.parametrize("T", [2, 40])
+def test_operator_keeps_ggml_weights_and_matches_its_dequantized_linear(T):
+    from ktinject.weights.tensor import GGMLTensor
+    data = _rows(QT.Q4_K, rows=80)
+    t = GGMLTensor(int(QT.Q4_K), (80, 512), data, "blk.0.attn_q.weight", "m.gguf")
+    bias = torch.randn(80)
+    op = _op(t, bias, gemv_max_tokens=16, chunk_mb=1)
+    assert op.ggml_type == int(QT.Q4_K) and op.qweight.data_ptr() == data.data_ptr()    # no copy
+    x = torch.randn(1, T, 512, dtype=torch.bfloat16)
+    deq = t.dequantize(torch.float32)
+    ref = x.float() @ deq.T + bias
+    y = op(x)
+    assert y.shape == (1, T, 80) and y.dtype == torch.bfloat16
+    tol = 1.5e-2 if T <= 16 else 1e-2          # 8-bit activations on the dot path; bf16 output either way
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("quant,tol", [("q8_0", 1.5e-2), ("bf16", 1e-2), ("f16", 2e-3), ("f32", 1e-5), ("auto", 1e-5)])
+def test_operator_quantizes_float_weights_at_load(quant, tol):
+    w = torch.randn(80, 512) * 0.05
+    op = _op(w, None, quant=quant)
+    x = torch.randn(3, 512)
+    ref = x @ w.T
+    assert ((op(x) - ref).abs().max() / ref.abs().max()).item() < tol
+    from ktinject.errors import LoadError
+    with pytest.raises(LoadError, match="shape differs"):
+        _op(torch.randn(81, 512), None)
+
+
+def test_overlay_places_every_linear_and_matches_float_reference(tmp_path):
+    """`cpu-linear` before a -cpu pack: every Linear (attention, shared experts, lm_head) becomes
+    cpu_linear; with f32 rows the logits are the -cpu pack's."""
+    from ktinject import optimize_and_load
+    from ktinject.testing import save_tiny
+    d = save_tiny("qwen2_moe", tmp_path / "m")            # q/k/v have biases
+    exact = tmp_path / "f32.yaml"
+    exact.write_text("version: 1\nrules:\n  - match: {class: Linear}\n"
+                     "    replace: {op: cpu_linear, device: cpu, kwargs: {quant: f32}}\n")
+    ours, _ = optimize_and_load(d, [str(exact), "qwen2-moe-cpu"])
+    ref, _ = optimize_and_load(d, "qwen2-moe-cpu")
+    lin = [n for n, m in ours.named_modules() if type(m).__name__ == "CpuLinear"]
+    assert "lm_head" in lin and any(n.endswith("self_attn.q_proj") for n in lin)
+    ids = torch.randint(3, 400, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for cut in (24, 3):                                   # the dequantize path, the dot path
+            a, b = ours(ids[:, :cut]).logits, ref(ids[:, :cut]).logits
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+    auto, _ = optimize_and_load(d, ["cpu-linear", "qwen2-moe-cpu"])
+    assert auto.lm_head.ggml_type == int(QT.F32)                     # float32 safetensors: kept exact
+
+
+@pytest.mark.parametrize("family,preset", [("deepseek_v2", "q4_k_m"), ("qwen3_moe", "q8_0")])
+def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, preset):
+    """A GGUF loaded with `cpu-linear`: each linear keeps its tensor in the file's type (the
+    operator test above checks that no copy is made); logits as close to the dequantized
+    transformers model as the -cpu pack's."""
+    from ktinject import optimize_and_load
+    from ktinject.testing import save_tiny
+    from ktinject.weights import gguf_write, open_source
+    from test_gguf_e2e import CPU_PACK, reference
+    path = gguf_write.convert_model(save_tiny(family, tmp_path / "hf"), tmp_path / "m.gguf", preset,
+                                    progress=False)[0]
+    model, tok = optimize_and_load(path, ["cpu-linear", CPU_PACK[family]])
+    src = open_source(path)
+    q = model.model.layers[1].self_attn.o_proj
+    stored = src["model.layers.1.self_attn.o_proj.weight"]
+    assert q.ggml_type == stored.ggml_type
+    assert torch.equal(q.qweight, stored.data.reshape(q.qweight.shape))
+    ids = torch.tensor([tok("The quick brown fox").input_ids + [5, 77, 300]])
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(path)(ids).logits
+        one = model(ids[:, :4]).logits                               # the dot path (few tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2     # the dequantize path: as the -cpu pack
+    # the dot path rounds activations to 8 bits: ~3% per position in these tiny random models,
+    # more where that flips a routing decision (llama.cpp's CPU path does the same)
+    per_pos = ((one - want[:, :4]).abs().amax(-1) / want[:, :4].abs().amax(-1))[0]
+    assert torch.isfinite(one).all() and per_pos.median().item() < 5e-2, per_pos
+    src.close()
+
+
+def test_decode_runs_torch_single_threaded_with_native_linears(tmp_path):
+    """With `cpu_linear`, the decode loop runs torch's few remaining ops on one thread (its OpenMP
+    threads would spin against the native pool's workers); prefill and the caller keep theirs."""
+    from ktinject import optimize_and_load
+    from ktinject.generate import generate
+    from ktinject.phase import current
+    from ktinject.testing import save_tiny
+    from ktinject.tokenizer import byte_tokenizer
+    model, _ = optimize_and_load(save_tiny("qwen3_moe", tmp_path / "m"), ["cpu-linear", "qwen3-moe-cpu"])
+    seen = {}
+    model.lm_head.register_forward_pre_hook(lambda m, a: (seen.setdefault(current(), torch.get_num_threads()), None)[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generate(model, byte_tokenizer(model.config.vocab_size), "abc", max_new_tokens=4)
+        assert seen == {"prefill": 2, "generate": 1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
