@@ -62,6 +62,7 @@ class CpuLinear(Operator):
         self.in_features, self.out_features, self.options, self.name = in_features, out_features, options, name
         self.has_bias = bias
         self.ggml_type = -1
+        self._pool = None                 # set at load: the native pool (None: the calling thread)
         self.register_buffer("qweight", torch.empty(0, dtype=torch.uint8, device="meta"), persistent=False)
         self.register_buffer("bias", torch.empty(out_features, device="meta") if bias else torch.empty(0),
                              persistent=False)
