@@ -177,3 +177,9 @@ def test_decode_runs_torch_single_threaded_with_native_linears(tmp_path):
         assert seen == {"prefill": 2, "generate": 1} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_quantize_rows_refuses_rows_that_are_not_whole_blocks():
+    from ktinject.native.synth import quantize_rows
+    with pytest.raises(ValueError, match="not a multiple of the Q5_K block"):
+        quantize_rows(torch.randn(8, 128), QT.Q5_K)          # it used to run blocks across rows

@@ -28,6 +28,9 @@ def quantize_rows(w: torch.Tensor, qt: QT) -> torch.Tensor:
     quantizers: the K-quants and, native where built, Q4_0 / Q5_0 / Q8_0 as gguf-py writes them;
     gguf-py for the other legacy types; `kquant.quantize_iq4_xs` for IQ4_XS)."""
     w = w.detach().to(torch.float32).contiguous()
+    if qt != QT.BF16 and w.shape[-1] % GGML_QUANT_SIZES[qt][0]:
+        raise ValueError(f"{w.shape[-1]} values per row is not a multiple of the {qt.name} block "
+                         f"({GGML_QUANT_SIZES[qt][0]})")
     if qt == QT.BF16:
         return w.to(torch.bfloat16).view(torch.uint8).contiguous()
     from ..weights import kquant
