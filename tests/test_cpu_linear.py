@@ -116,7 +116,7 @@ def test_overlay_places_every_linear_and_matches_float_reference(tmp_path):
     d = save_tiny("qwen2_moe", tmp_path / "m")            # q/k/v have biases
     exact = tmp_path / "f32.yaml"
     exact.write_text("version: 1\nrules:\n  - match: {class: Linear}\n"
-                     "    replace: {op: cpu_linear, device: cpu, kwargs: {quant: f32}}\n")
+                     "    replace: {op: cpu_linear, device: cpu, kwargs: {quant: f32, gemv_max_tokens: 8}}\n")
     ours, _ = optimize_and_load(d, [str(exact), "qwen2-moe-cpu"])
     ref, _ = optimize_and_load(d, "qwen2-moe-cpu")
     lin = [n for n, m in ours.named_modules() if type(m).__name__ == "CpuLinear"]
@@ -141,7 +141,10 @@ def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, prese
     from test_gguf_e2e import CPU_PACK, reference
     path = gguf_write.convert_model(save_tiny(family, tmp_path / "hf"), tmp_path / "m.gguf", preset,
                                     progress=False)[0]
-    model, tok = optimize_and_load(path, ["cpu-linear", CPU_PACK[family]])
+    rules = tmp_path / "lin.yaml"                                    # the shipped overlay, both paths in reach
+    rules.write_text("version: 1\nrules:\n  - match: {class: Linear}\n"
+                     "    replace: {op: cpu_linear, device: cpu, kwargs: {gemv_max_tokens: 8}}\n")
+    model, tok = optimize_and_load(path, [str(rules), CPU_PACK[family]])
     src = open_source(path)
     q = model.model.layers[1].self_attn.o_proj
     stored = src["model.layers.1.self_attn.o_proj.weight"]

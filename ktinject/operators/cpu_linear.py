@@ -3,13 +3,15 @@
 A GGUF weight of a type the native kernels read (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS,
 BF16, F16, F32) is kept as the file stores it (memory-mapped, no copy); float weights (a
 safetensors model, or the few dense tensors a GGUF reader rebuilds) keep their float type by
-default (`quant: auto`, exact) or are converted at load (`quant: q8_0`, ...). Decode-sized inputs (up to `gemv_max_tokens` tokens) are computed
-by the native multi-row dot products over the CPU experts' thread pool, so each token reads the
-weight once in its quantized form, as llama.cpp does on the CPU; while that pool is busy with the
-routed experts (the `moe` operator runs the shared experts meanwhile) the calling thread computes
-alone. Longer inputs (prompts) dequantize the rows in chunks of `chunk_mb` and multiply with
+default (`quant: auto`, exact) or are converted at load (`quant: q8_0`, ...).
+
+Up to `gemv_max_tokens` tokens (decode, short prompts) the native multi-row dot products run
+over the CPU experts' thread pool: each 64-row chunk of the weight is read once, in its
+quantized form, for all the tokens, as llama.cpp does on the CPU; while that pool is busy with
+the routed experts (the `moe` operator runs the shared experts meanwhile) the calling thread
+computes alone. Longer inputs dequantize the rows in chunks of `chunk_mb` and multiply with
 torch. The maths is `y = x W^T + b` with W the dequantized weight, the activations rounded to
-8 bits per 32 values for the quantized types (the native dot products' activation format).
+8 bits per 32 values for the quantized types on the dot path (the native dots' format).
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class CpuLinearOptions:
     quant: str = "auto"          # weights not already GGML rows the kernels read: auto keeps their float
                                  # type (exact); q8_0, q4_k, q6_k, bf16, f16, f32 convert at load
     threads: int = 0             # the native pool (0: all CPUs; the CPU experts' pool of the same size)
-    gemv_max_tokens: int = 16    # above: dequantize in chunks and multiply with torch
+    gemv_max_tokens: int = 256   # above: dequantize in chunks and multiply with torch (2 AVX2 cores:
+                                 # the dots win up to ~300 tokens)
     chunk_mb: int = 64           # float32 megabytes dequantized at a time on that path
 
     def __post_init__(self):
