@@ -69,7 +69,6 @@ def test_linear_beside_a_busy_pool():
 
 def _op(qt_rows, bias, **kw):
     from ktinject.operators.cpu_linear import CpuLinear, CpuLinearOptions
-    from ktinject.weights.tensor import GGMLTensor
     rows, n = 80, 512
     op = CpuLinear(n, rows, bias is not None, CpuLinearOptions(**kw), "t.proj")
     source = {"t.proj.weight": qt_rows}
