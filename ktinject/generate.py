@@ -482,17 +482,24 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             model._ktinject_session = None      # a failed or abandoned call may leave it half-updated
 
 
-@contextlib.contextmanager
-def _decode_torch_threads(model):
-    """Torch's intra-op threads for the decode loop: the fewest any module asks for
+def _decode_torch_threads(model) -> Optional[int]:
+    """Torch's intra-op threads for a decode step: the fewest any module asks for
     (`decode_torch_threads`, e.g. `cpu_linear`: its native pool does the heavy work, and torch's
-    OpenMP threads spinning between the few small ops left would take the workers' cores)."""
+    OpenMP threads spinning between the few small ops left would take the workers' cores), or
+    None to leave them."""
     want = [int(t) for m in model.modules() for t in [getattr(m, "decode_torch_threads", None)] if t]
+    return min(want) if want else None
+
+
+@contextlib.contextmanager
+def _torch_threads(n: Optional[int]):
+    """Run the block with `n` torch threads (None, or not fewer than now: unchanged); restored
+    after, also on error, so the caller's code between tokens keeps its own."""
     before = torch.get_num_threads()
-    if not want or min(want) >= before:
+    if n is None or n >= before:
         yield
         return
-    torch.set_num_threads(min(want))
+    torch.set_num_threads(n)
     try:
         yield
     finally:
@@ -545,7 +552,8 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
     emitted, reason, text = 0, "length", ""
     decodes, t_steady, steady_from = 0, None, 0
     tok = first
-    with _phase("generate"), _decode_torch_threads(model):
+    step_threads = _decode_torch_threads(model)
+    with _phase("generate"):
         for step in range(max_new_tokens):
             if tok in eos:
                 reason = "eos"
@@ -581,11 +589,12 @@ def _generate_loop(model, tokenizer, ids, max_new_tokens, stop, result, opts, se
             history = torch.cat([history, nxt.view(1)])
             if step == 2:
                 t_steady, steady_from = time.perf_counter(), decodes
-            logits = stepper.decode(nxt, pos)
-            fed.append(tok)
-            decodes += 1
-            nxt = sample_next(logits[0], history, opts, gen)
-            tok = _wait_int(nxt)
+            with _torch_threads(step_threads):
+                logits = stepper.decode(nxt, pos)
+                fed.append(tok)
+                decodes += 1
+                nxt = sample_next(logits[0], history, opts, gen)
+                tok = _wait_int(nxt)
             if host_errors:
                 host_errors()
     t_loop = time.perf_counter()

@@ -60,8 +60,10 @@ int ktk_linear(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_byt
     lin_ctx c = {K, type, w, row_bytes, rows, n, n - n % QK, T, x, y, NULL, 0};
     c.ab = ktk_act_bytes(c.nq);
     c.ab = (c.ab + 63) / 64 * 64;                      /* each record on its own cache lines */
-    c.xq = malloc((size_t)T * c.ab + 64);
-    if (!c.xq) return KTK_ENOMEM;
+    if ((uint64_t)T > (SIZE_MAX - 64) / c.ab) return KTK_ENOMEM;
+    uint8_t *mem = malloc((size_t)T * c.ab + 64);
+    if (!mem) return KTK_ENOMEM;
+    c.xq = (uint8_t *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
     int64_t chunks = (rows + LIN_CH - 1) / LIN_CH, items[2] = {T, chunks};
     if (p && ktk_pool_run_async(p, lin_item, &c, 2, items) == KTK_OK) {
         ktk_pool_wait(p);
@@ -69,7 +71,7 @@ int ktk_linear(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_byt
         for (int64_t t = 0; t < T; t++) lin_item(&c, 0, t, 0);
         for (int64_t i = 0; i < chunks; i++) lin_rows(&c, i);
     }
-    free(c.xq);
+    free(mem);
     return KTK_OK;
 }
 

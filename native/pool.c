@@ -34,7 +34,9 @@ struct ktk_pool {
     _Atomic int sleepers;
     ktk_item_fn fn;
     void *ctx;
-    int nphase, busy;
+    int nphase;
+    _Atomic int busy;                   /* a job posted and not yet waited for; claimed by compare-and-swap,
+                                         * so two threads posting at once cannot both get the pool */
     int64_t items[MAX_PHASES];
     _Atomic int64_t next[MAX_PHASES];
     _Atomic int arrived[MAX_PHASES];
@@ -192,7 +194,7 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
 
 void ktk_pool_free(ktk_pool *p) {
     if (!p) return;
-    if (p->busy) ktk_pool_wait(p);
+    if (atomic_load(&p->busy)) ktk_pool_wait(p);
     atomic_store(&p->stop, 1);
     atomic_fetch_add(&p->gen, 1);
     futex_wake(&p->gen);
@@ -219,7 +221,8 @@ void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes) {
 
 int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items) {
     if (!p || nphase < 1 || nphase > MAX_PHASES) return KTK_EINVAL;
-    if (p->busy) return KTK_EBUSY;
+    int idle = 0;
+    if (!atomic_compare_exchange_strong(&p->busy, &idle, 1)) return KTK_EBUSY;
     p->fn = fn; p->ctx = ctx; p->nphase = nphase;
     for (int i = 0; i < nphase; i++) {
         p->items[i] = items[i];
@@ -229,14 +232,13 @@ int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const
     atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     if (p->trace) { atomic_store(&p->t_first, 0); atomic_store(&p->t_last, 0); p->t_post = now_ns(); }
-    p->busy = 1;
     atomic_fetch_add(&p->gen, 1);   /* seq_cst: ordered before the sleepers load */
     if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen);
     return KTK_OK;
 }
 
 int ktk_pool_wait(ktk_pool *p) {
-    if (!p || !p->busy) return KTK_OK;
+    if (!p || !atomic_load(&p->busy)) return KTK_OK;
     long t0 = now_ns();
     int k = 0;
     while (!atomic_load_explicit(&p->done, memory_order_acquire)) {
@@ -248,7 +250,7 @@ int ktk_pool_wait(ktk_pool *p) {
         }
     }
     while (!atomic_load_explicit(&p->done, memory_order_acquire)) futex_wait(&p->done, 0);
-    p->busy = 0;
+    atomic_store(&p->busy, 0);
     if (p->trace) {
         long t1 = now_ns();
         p->tr[0] += 1;

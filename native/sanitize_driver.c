@@ -67,6 +67,28 @@ int main(void) {
         ktk_moe *m = ktk_moe_new(&d, &err);
         if (!m) { fprintf(stderr, "type %d: moe_new %d\n", t, err); fails++; continue; }
         ktk_gemv(KTK_ISA_SCALAR, t, g, rbh, I, H, x, y0);
+        for (int isa = 0; isa <= KTK_ISA_AMX; isa++) {
+            if (isa && !(feats >> isa & 1)) continue;
+            /* dense layer (linear.c), over the pool and on this thread: each token's results equal
+             * the single-thread gemv of that token, bitwise; rows that end the buffer (no overread)
+             * and a last chunk shorter than 64 rows; dequantized rows equal ktk_dequant_row's */
+            const int R = I - 3;
+            const uint8_t *gl = g + (E * I - R) * rbh;
+            static float yp[3 * 512], ya[3 * 512], yt[512], dr[256];
+            int bad = ktk_linear(pool, isa, t, gl, rbh, R, H, 3, x, yp) || ktk_linear(NULL, isa, t, gl, rbh, R, H, 3, x, ya);
+            for (int tt = 0; tt < 3 && !bad; tt++) {
+                ktk_gemv(isa, t, gl, rbh, R, H, x + tt * H, yt);
+                bad = memcmp(yt, yp + tt * R, (size_t)R * sizeof(float)) || memcmp(yt, ya + tt * R, (size_t)R * sizeof(float));
+            }
+            float *dq = malloc((size_t)(R * H) * sizeof(float));
+            bad = bad || !dq || ktk_dequant_rows(pool, isa, t, gl, rbh, R, H, dq);
+            for (int r = 0; r < R && !bad; r += 7) {
+                ktk_dequant_row_isa(isa, t, gl + r * rbh, dr, H);
+                bad = memcmp(dr, dq + r * H, (size_t)H * sizeof(float)) != 0;
+            }
+            free(dq);
+            if (bad) { fprintf(stderr, "MISMATCH type %d isa %d: ktk_linear / ktk_dequant_rows\n", t, isa); fails++; }
+        }
         for (int T = 1; T <= 48; T += 47) {
             if (ktk_moe_forward(m, pool, KTK_ISA_SCALAR, T, k, x, ids, w, ref)) { fails++; continue; }
             for (int isa = 1; isa <= KTK_ISA_AMX; isa++) {
@@ -86,21 +108,6 @@ int main(void) {
                             fails++;
                         }
                     }
-                }
-                {   /* dense layer (linear.c) over the pool and on this thread: each token's row of
-                     * results equals the single-thread gemv of that token, bitwise; the last expert's
-                     * rows end the buffer (no overread) */
-                    const uint8_t *gl = g + (E - 1) * I * rbh;
-                    static float yp[3 * 512], ya[3 * 512], yt[512];
-                    int bad = ktk_linear(pool, isa, t, gl, rbh, I, H, 3, x, yp) || ktk_linear(NULL, isa, t, gl, rbh, I, H, 3, x, ya);
-                    for (int tt = 0; tt < 3 && !bad; tt++) {
-                        ktk_gemv(isa, t, gl, rbh, I, H, x + tt * H, yt);
-                        bad = memcmp(yt, yp + tt * I, (size_t)I * sizeof(float)) || memcmp(yt, ya + tt * I, (size_t)I * sizeof(float));
-                    }
-                    float *dq = malloc((size_t)(I * H) * sizeof(float));
-                    bad = bad || !dq || ktk_dequant_rows(pool, isa, t, gl, rbh, I, H, dq);
-                    free(dq);
-                    if (bad) { fprintf(stderr, "MISMATCH type %d isa %d: ktk_linear differs from ktk_gemv\n", t, isa); fails++; }
                 }
                 int rc = ktk_moe_forward(m, pool, isa, T, k, x, ids, w, out);
                 double em = rel(out, ref, T * H);

@@ -44,7 +44,7 @@ def test_native_linear_checks_its_arguments():
         native.linear(pool, int(QT.Q8_0), w, 512, torch.zeros(1, 256))
     with pytest.raises(NativeError, match="float32"):
         native.linear(pool, int(QT.Q8_0), w, 512, torch.zeros(1, 512, dtype=torch.float64))
-    with pytest.raises(NativeError, match="contiguous float32 buffer"):
+    with pytest.raises(NativeError, match="contiguous float32 CPU buffer"):
         native.dequant_rows(pool, int(QT.Q8_0), w, 512, out=torch.empty(10))
 
 
@@ -175,8 +175,17 @@ def test_decode_runs_torch_single_threaded_with_native_linears(tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        generate(model, byte_tokenizer(model.config.vocab_size), "abc", max_new_tokens=4)
+        tok = byte_tokenizer(model.config.vocab_size)
+        generate(model, tok, "abc", max_new_tokens=4)
         assert seen == {"prefill": 2, "generate": 1} and torch.get_num_threads() == 2
+        # between tokens, the caller's code runs with its own threads; a closed stream keeps them
+        from ktinject.generate import stream_generate
+        pieces = stream_generate(model, tok, "abc", max_new_tokens=8)
+        for _ in range(3):
+            next(pieces)
+            assert torch.get_num_threads() == 2
+        pieces.close()
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
@@ -185,3 +194,39 @@ def test_quantize_rows_refuses_rows_that_are_not_whole_blocks():
     from ktinject.native.synth import quantize_rows
     with pytest.raises(ValueError, match="not a multiple of the Q5_K block"):
         quantize_rows(torch.randn(8, 128), QT.Q5_K)          # it used to run blocks across rows
+
+
+def test_prefill_path_in_several_chunks():
+    """More tokens than the dot path takes, and more rows than one dequantized chunk holds."""
+    from ktinject.operators.cpu_linear import CpuLinear, CpuLinearOptions
+    from ktinject.weights.tensor import GGMLTensor
+    rows, n = 1000, 512
+    data = _rows(QT.Q6_K, rows=rows, n=n)
+    op = CpuLinear(n, rows, False, CpuLinearOptions(gemv_max_tokens=4, chunk_mb=1), "t.big")
+    op.load_weights("t.big.", {"t.big.weight": GGMLTensor(int(QT.Q6_K), (rows, n), data)})
+    x = torch.randn(9, n)
+    ref = x @ native.dequant_rows(None, int(QT.Q6_K), data, n).T
+    assert (1 << 20) // (4 * n) < rows                                   # 512 rows a chunk: two chunks
+    assert ((op(x) - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="input of 256 features"):
+        op(torch.randn(2, 256))
+
+
+def test_unreadable_blocks_and_odd_widths_fall_back_in_order():
+    """A GGUF type the kernels cannot read becomes Q8_0 (bf16 where rows are not whole 32-blocks);
+    a requested type whose blocks do not fit the width falls back to Q8_0 first."""
+    import gguf
+
+    from ktinject.operators.cpu_linear import CpuLinear, CpuLinearOptions
+    from ktinject.weights.tensor import GGMLTensor
+    q41 = GGMLTensor(int(QT.Q4_1), (16, 256),
+                     torch.from_numpy(gguf.quants.quantize((torch.randn(16, 256) * 0.05).numpy(), QT.Q4_1)))
+    op = CpuLinear(256, 16, False, CpuLinearOptions(), "t.q41")
+    op.load_weights("t.q41.", {"t.q41.weight": q41})
+    assert op.ggml_type == int(QT.Q8_0)
+    op = CpuLinear(288, 16, False, CpuLinearOptions(quant="q4_k"), "t.odd")
+    op.load_weights("t.odd.", {"t.odd.weight": torch.randn(16, 288)})
+    assert op.ggml_type == int(QT.Q8_0)                                  # 288 = 9 x 32, not x 256
+    op = CpuLinear(100, 16, False, CpuLinearOptions(quant="q8_0"), "t.tiny")
+    op.load_weights("t.tiny.", {"t.tiny.weight": torch.randn(16, 100)})
+    assert op.ggml_type == int(QT.BF16)

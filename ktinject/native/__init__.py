@@ -280,8 +280,8 @@ def dequant_rows(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int
     rows = w.shape[0]
     if out is None:
         out = torch.empty(rows, n, dtype=torch.float32)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * n:
-        raise NativeError(f"out: need a contiguous float32 buffer of {rows * n} values")
+    elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < rows * n:
+        raise NativeError(f"out: need a contiguous float32 CPU buffer of {rows * n} values")
     check(lib.ktk_dequant_rows(pool.ptr if pool is not None else ffi.NULL, isa_index(isa_name), int(ggml_type),
                                _ptr(ffi, w, "uint8_t *"), rb, rows, n, _ptr(ffi, out, "float *")), "dequant_rows")
     return out.view(-1)[:rows * n].view(rows, n)

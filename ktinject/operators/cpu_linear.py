@@ -10,12 +10,14 @@ over the CPU experts' thread pool: each 64-row chunk of the weight is read once,
 quantized form, for all the tokens, as llama.cpp does on the CPU; while that pool is busy with
 the routed experts (the `moe` operator runs the shared experts meanwhile) the calling thread
 computes alone. Longer inputs dequantize the rows in chunks of `chunk_mb` and multiply with
-torch. The maths is `y = x W^T + b` with W the dequantized weight, the activations rounded to
-8 bits per 32 values for the quantized types on the dot path (the native dots' format).
+torch (float weights: the dots only up to 8 tokens, where they beat torch's own kernels). The
+maths is `y = x W^T + b` with W the dequantized weight; on the dot path the quantized types take
+8-bit activations (one scale per 32 values, per 256 for the K-quants: the native dots' format).
 """
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 QUANTS = {"q8_0": (8, 8.5), "q4_k": (12, 4.5), "q6_k": (14, 6.5625), "bf16": (30, 16.0), "f16": (1, 16.0),
           "f32": (0, 32.0)}
 _FLOAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_ELEMENT = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}   # GGML float types -> torch dtype
+ELEMENT_GEMV_MAX = 8        # float weights: the native dots beat torch only up to here (2 AVX2 cores)
+_SCRATCH = threading.local()  # one dequantization buffer per thread, shared by the layers
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class CpuLinear(Operator):
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
+        """With `quant: auto` the plan cannot see the file's tensor types: it counts the float size,
+        an upper bound (a GGUF weight kept in its blocks is 2-7x smaller)."""
         opts = ctx.options or CpuLinearOptions()
         n = original.weight.numel()
         bits = QUANTS[opts.quant][1] if opts.quant != "auto" else (ctx.dtype or original.weight.dtype).itemsize * 8
@@ -98,19 +105,23 @@ class CpuLinear(Operator):
         if isinstance(t, GGMLTensor) and t.ggml_type in NATIVE_TYPES.values():
             self.ggml_type, data = int(t.ggml_type), t.data.reshape(self.out_features, -1)
         else:
-            dense = as_dense(t)
-            quant = self.options.quant if self.options.quant != "auto" else _FLOAT.get(dense.dtype, "f32")
-            qtype = QUANTS[quant][0]
-            dense = dense.to(torch.float32)
             from gguf import GGMLQuantizationType as QT
-            if native.row_bytes_or_none(qtype, self.in_features) is None:   # rows not whole blocks of it
-                log.info("%s: %d inputs are not whole %s blocks; keeping bf16", key, self.in_features,
-                         QT(qtype).name)
-                qtype = QUANTS["bf16"][0]
-            if qtype in (QUANTS["f32"][0], QUANTS["f16"][0]):
-                data = dense.to(torch.float32 if qtype == 0 else torch.float16).contiguous().view(torch.uint8)
+            dense = as_dense(t)
+            if self.options.quant != "auto":
+                wanted = [self.options.quant, "q8_0", "bf16"]
+            elif isinstance(t, GGMLTensor):       # blocks the kernels cannot read (Q3_K, Q4_1, IQ2...)
+                wanted = ["q8_0", "bf16"]
+            else:                                 # a float weight: kept exact
+                wanted = [_FLOAT.get(dense.dtype, "f32")]
+            quant = next(q for q in wanted if native.row_bytes_or_none(QUANTS[q][0], self.in_features) is not None)
+            if quant != wanted[0] or isinstance(t, GGMLTensor):
+                log.info("%s: %s stored as %s (%d inputs)", key,
+                         t.type_name if isinstance(t, GGMLTensor) else wanted[0], quant, self.in_features)
+            qtype = QUANTS[quant][0]
+            if qtype in _ELEMENT:
+                data = dense.to(_ELEMENT[qtype]).contiguous().view(torch.uint8)
             else:
-                data = quantize_rows(dense, QT(qtype))
+                data = quantize_rows(dense.to(torch.float32), QT(qtype))
             self.ggml_type = qtype
         self.qweight = data if data.is_contiguous() else data.contiguous()
         native.row_bytes(self.ggml_type, self.in_features)                    # checks the pair once more
@@ -125,14 +136,25 @@ class CpuLinear(Operator):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .. import native
         # x: [..., in] -> [..., out], returned on x's device and dtype
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name or 'cpu_linear'}: input of {x.shape[-1]} features, the layer takes "
+                             f"{self.in_features}")
         x2 = x.detach().reshape(-1, self.in_features).to("cpu", torch.float32).contiguous()
         T = x2.shape[0]
-        if T <= self.options.gemv_max_tokens:
+        element = _ELEMENT.get(self.ggml_type)
+        limit = min(self.options.gemv_max_tokens, ELEMENT_GEMV_MAX) if element is not None else \
+            self.options.gemv_max_tokens
+        if T <= limit:
             y = native.linear(self._pool, self.ggml_type, self.qweight, self.in_features, x2)
+        elif element == torch.float32:           # the rows are float32 already
+            y = x2 @ self.qweight.view(torch.float32).view(self.out_features, self.in_features).T
         else:
             y = torch.empty(T, self.out_features, dtype=torch.float32)
             step = max(1, (self.options.chunk_mb << 20) // (4 * self.in_features))
-            scratch = torch.empty(min(step, self.out_features) * self.in_features, dtype=torch.float32)
+            need = min(step, self.out_features) * self.in_features
+            scratch = getattr(_SCRATCH, "buf", None)
+            if scratch is None or scratch.numel() < need:
+                scratch = _SCRATCH.buf = torch.empty(need, dtype=torch.float32)
             for r0 in range(0, self.out_features, step):
                 r1 = min(r0 + step, self.out_features)
                 w = native.dequant_rows(self._pool, self.ggml_type, self.qweight[r0:r1], self.in_features, out=scratch)
