@@ -379,10 +379,11 @@ def _session(model, needed: int, max_cache_len: Optional[int], device: torch.dev
 
     The kept session is reused when it is free, on the same device, and its length is between
     the call's size (`needed` rounded up to 256, or `max_cache_len`) and twice that (a decode step
-    attends over the whole static cache, so a much larger one would slow it). Otherwise it is
-    dropped first (its memory comes back before the new cache is made), and the new one is kept.
-    When the cache grows past a kept one (a chat's prompt grows turn by turn), the new length
-    doubles the old, so a growing conversation recaptures O(log) times, not every turn."""
+    on the GPU attends over the whole static cache, so a much larger one would slow it). Otherwise
+    it is dropped first (its memory comes back before the new cache is made), and the new one is
+    kept. A new cache gets room to grow (half its size, at least 256 slots) without
+    `max_cache_len`, and at least twice a kept one it outgrows, so a growing conversation keeps
+    its prefix most turns and recaptures O(log) times."""
     size = max_cache_len or -(-needed // 256) * 256
     old = getattr(model, "_ktinject_session", None)
     if old is not None and old.busy:
@@ -393,8 +394,11 @@ def _session(model, needed: int, max_cache_len: Optional[int], device: torch.dev
         return cache, kind, _Stepper(model, cache, device), None
     if static and old is not None and old.device == device and size <= old.length <= 2 * size:
         return old.cache, "static", old.stepper, old
-    if static and old is not None and max_cache_len is None and old.length < size <= 2 * old.length:
-        size = 2 * old.length
+    if static and max_cache_len is None:
+        # room to grow: a chat's next turn (the prompt plus this reply, plus the next message) then
+        # fits the same cache and keeps its prefix; past a kept one, at least double it
+        grown = 2 * old.length if old is not None and old.length < size else 0
+        size = max(grown, -(-(size + max(256, size // 2)) // 256) * 256)
     model._ktinject_session = None        # also for a dynamic cache: it re-reserves the operators' caches
     del old
     cache, kind = _make_cache(model, size, 1, device, static)

@@ -119,24 +119,27 @@ def test_later_calls_reuse_the_kept_cache_and_match_the_reference(family, mla):
     first = "The quick brown fox jumps over the lazy dog, twice over"     # fills more of the cache
     assert generate(ours, tok, first, max_new_tokens=10).token_ids == reference_greedy(model, tok, first, 10)
     kept = ours._ktinject_session
-    assert kept is not None and kept.length == 256 and not kept.busy
+    assert kept is not None and kept.length == 512 and not kept.busy
     # another prompt of the same size class: the same cache, reset in place (no shared prefix)
     assert generate(ours, tok, "abc", max_new_tokens=6).token_ids == reference_greedy(model, tok, "abc", 6)
     assert ours._ktinject_session is kept
 
 
-def test_kept_cache_grows_by_doubling_and_shrinks_when_far_too_large():
+def test_kept_cache_has_room_grows_by_doubling_and_shrinks_when_far_too_large():
     model = build_tiny("qwen3_moe")
     tok = byte_tokenizer(model.config.vocab_size)
-    generate(model, tok, "w" * 450, max_new_tokens=4)
+    generate(model, tok, "w" * 450, max_new_tokens=4)       # needs ~455: 512, with room to grow 768
+    assert model._ktinject_session.length == 768
+    kept = model._ktinject_session
+    generate(model, tok, "x" * 590, max_new_tokens=4)       # needs ~595 (768): fits the kept cache
+    assert model._ktinject_session is kept
+    generate(model, tok, "x" * 900, max_new_tokens=4)       # needs ~905 (1024): twice the kept 768
+    assert model._ktinject_session.length == 1536
+    generate(model, tok, "y" * 2100, max_new_tokens=4)      # 2304 with its room: more than doubling
+    assert model._ktinject_session.length == 3584
+    generate(model, tok, "abc", max_new_tokens=4)           # 3584 > 2 x 256: a small cache again
     assert model._ktinject_session.length == 512
-    generate(model, tok, "x" * 590, max_new_tokens=4)       # needs ~595: 768 rounded, but 2 x the kept 512
-    assert model._ktinject_session.length == 1024
-    generate(model, tok, "y" * 2100, max_new_tokens=4)      # more than twice the kept one: its own size
-    assert model._ktinject_session.length == 2304
-    generate(model, tok, "abc", max_new_tokens=4)           # 2304 > 2 x 256: a small cache again
-    assert model._ktinject_session.length == 256
-    generate(model, tok, "abc", max_new_tokens=4, max_cache_len=600)   # a new cache of an explicit size: as given
+    generate(model, tok, "abc", max_new_tokens=4, max_cache_len=600)   # an explicit size: as given
     assert model._ktinject_session.length == 600
 
 

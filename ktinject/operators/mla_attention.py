@@ -226,7 +226,10 @@ class MLAAttention(Operator):
         if hf_cache is not None or self.kv_cache is not None:
             # Decode on a reserved cache keeps static shapes (CUDA-graph safe): attend over the whole
             # buffer under the position mask. Otherwise read the length once from the positions.
-            static = absorbed and self.reserved and self.kv_cache is not None and self.kv_cache.shape[0] >= bsz
+            # (on the CPU nothing is captured and reading the length costs no sync: attend over the
+            # filled part only)
+            static = absorbed and self.reserved and self.kv_cache is not None and self.kv_cache.shape[0] >= bsz \
+                and new_kv.is_cuda
             if new_kv.is_cuda and torch.cuda.is_current_stream_capturing() and not static:
                 raise ModelError(f"layer {self.layer_idx}: MLA cache must be reserve()d before CUDA-graph capture")
             needed = 0 if static else int(pos.max()) + 1
