@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -21,13 +21,13 @@ if [[ $steps == *" tests "* ]]; then
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   timeout 90 python3 -m ktinject run --prompt "Once upon a time" --max-new-tokens 32 2>&1 | tee "$OUT/run_default.txt" | tail -6
 fi
-bench() {   # name arch rules [extra bench args]
-  local name=$1 arch=$2 rules=$3; shift 3
+bench() {   # name arch "rules..." [extra bench args]
+  local name=$1 arch=$2 rules=$3 tag=${3// /+}; shift 3
   [ -f /tmp/$name.gguf ] || timeout 200 python3 -m ktinject synth --arch "$arch" --recipe q4_k_m --no-progress \
     --threads 16 /tmp/$name.gguf 2>&1 | tail -1
-  timeout -s KILL ${BENCH_TIMEOUT:-200} python3 -m ktinject bench /tmp/$name.gguf --rules "$rules" --json "$@" \
-    2> "$OUT/bench_${name}_${rules}.err" | tee "$OUT/bench_${name}_${rules}.json"
-  tail -3 "$OUT/bench_${name}_${rules}.err"
+  timeout -s KILL ${BENCH_TIMEOUT:-200} python3 -m ktinject bench /tmp/$name.gguf --rules $rules --json "$@" \
+    2> "$OUT/bench_${name}_${tag}.err" | tee "$OUT/bench_${name}_${tag}.json"
+  tail -3 "$OUT/bench_${name}_${tag}.err"
 }
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --prompt-lengths 512,2048 --decode-tokens 64
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
@@ -68,6 +68,11 @@ if [[ $steps == *" twogpuprof "* ]]; then   # the graph decode step, one GPU vs 
       env $cfg timeout -s KILL 100 python3 scripts/profile_decode.py /tmp/v2lite.gguf --rules $rules --modes graph \
         --no-layers 2>&1 | grep -E "decode|threads over" | cut -c1-500
     done
+  done
+fi
+if [[ $steps == *" cpulinear "* ]]; then   # CPU-only decode on the Xeon: float32 linears vs cpu_linear (GGUF blocks)
+  for rules in deepseek-v2-cpu "cpu-linear deepseek-v2-cpu"; do
+    bench v2lite deepseek-v2-lite "$rules" --prompt-lengths 512,2048 --decode-tokens 32 --repeat 3
   done
 fi
 if [[ $steps == *" convert "* ]]; then   # ktinject convert of a real-shape random HF directory (CONVERT_LAYERS of V2-Lite's 27)
