@@ -139,11 +139,18 @@ def test_cpu_hooks_move_plain_modules_inputs_only():
     assert _make_hook(memo, cpu)(dispatch, (x,), {}) is None                 # moves its inputs itself
 
 
-def test_device_restore_runs_when_the_forward_raises():
-    from ktinject.boundaries import attach_device_restore
+def test_device_restore_runs_when_the_forward_raises(monkeypatch):
+    """A stage switched the current GPU, then the forward raised: the caller's device comes back
+    (torch.cuda's device calls stand in for two GPUs here)."""
+    from ktinject.boundaries import attach_device_restore, make_current
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: current.__setitem__(0, int(i)))
 
     class Boom(torch.nn.Module):
         def forward(self, x):
+            make_current(torch.device("cuda", 1))                        # a stage on cuda:1
             raise ValueError("boom")
     m = Boom()
     attach_device_restore(m)
@@ -151,9 +158,7 @@ def test_device_restore_runs_when_the_forward_raises():
     assert len(m._forward_pre_hooks) == 1
     with pytest.raises(ValueError):
         m(torch.ones(1))
-    hook = next(iter(m._forward_hooks.values()))
-    assert m._forward_hooks_always_called[next(iter(m._forward_hooks))]
-    assert hook is not None
+    assert current[0] == 0
 
 
 def test_two_gpu_overlay_composes_with_hot_experts(tmp_path):

@@ -49,7 +49,8 @@ def test_native_linear_checks_its_arguments():
 
 
 def test_linear_beside_a_busy_pool():
-    """While the routed experts hold the pool, a linear runs on the calling thread, correctly."""
+    """While the routed experts hold the pool, a linear still gives its result (computed on the
+    calling thread: the pool refuses a second job) and the experts' result is untouched."""
     from ktinject.native import ExpertMatrix, MoEKernel
     pool = native.default_pool(2)
     E, H, I = 8, 256, 256

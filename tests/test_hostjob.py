@@ -251,3 +251,38 @@ def test_generation_stops_at_the_token_a_failed_job_spoiled():
     with pytest.raises(NativeError, match="expert id out of range"):
         for n, _ in enumerate(pieces):
             assert n < 2
+
+
+def test_driver_binds_a_primary_context_once_and_stops_at_the_first_failure():
+    """`CudaDriver.bind` / `ensure_context` against a stand-in for libcuda: the primary context is
+    retained once per device, and a failed lookup stops there (no retain of a garbage device)."""
+    from ktinject.native.cuda_driver import CudaDriver
+    calls = []
+
+    class FakeLib:
+        def cuCtxGetCurrent(self, out):
+            return 0                                    # no context current: out stays NULL
+
+        def cuDeviceGet(self, out, index):
+            calls.append(("get", index))
+            return 101 if index == 7 else 0             # device 7 does not exist
+
+        def cuDevicePrimaryCtxRetain(self, out, dev):
+            calls.append("retain")
+            return 0
+
+        def cuCtxSetCurrent(self, ctx):
+            calls.append("set")
+            return 0
+
+        def cuGetErrorString(self, rc, out):
+            return 0
+
+    drv = object.__new__(CudaDriver)
+    drv.lib, drv._primary = FakeLib(), {}
+    assert drv.ensure_context(0) is None and drv.ensure_context(0) is None
+    assert calls == [("get", 0), "retain", "set", "set"]            # retained once, made current twice
+    calls.clear()
+    why = drv.ensure_context(7)
+    assert "no current CUDA context" in why and "cuDeviceGet" in why and calls == [("get", 7)]
+    assert drv.ensure_context(None) == "no current CUDA context"

@@ -231,28 +231,25 @@ def dequant_row(ggml_type: int, row: torch.Tensor, n: int, isa_name: Optional[st
     return out
 
 
-def gemv(ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor, isa_name: Optional[str] = None) -> torch.Tensor:
-    """y = W x with W as GGML rows (uint8 [rows, row_bytes]) and x f32 [n]; one thread."""
-    lib, ffi = load()
-    _need(w, "w", torch.uint8, 2)
-    _need(x, "x", torch.float32, 1)
-    rb = row_bytes(ggml_type, n)
-    if w.shape[1] != rb:
-        raise NativeError(f"w: rows of {w.shape[1]} bytes, expected {rb} for {n} values of type {ggml_type}")
-    if x.numel() != n:
-        raise NativeError(f"x: expected {n} values, got {x.numel()}")
-    y = torch.empty(w.shape[0], dtype=torch.float32)
-    check(lib.ktk_gemv(isa_index(isa_name), int(ggml_type), _ptr(ffi, w, "uint8_t *"), rb, w.shape[0], n,
-                       _ptr(ffi, x, "float *"), _ptr(ffi, y, "float *")), "gemv")
-    return y
-
-
 def _rows(ggml_type: int, w: torch.Tensor, n: int) -> int:
     _need(w, "w", torch.uint8, 2)
     rb = row_bytes(ggml_type, n)
     if w.shape[1] != rb:
         raise NativeError(f"w: rows of {w.shape[1]} bytes, expected {rb} for {n} values of type {ggml_type}")
     return rb
+
+
+def gemv(ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor, isa_name: Optional[str] = None) -> torch.Tensor:
+    """y = W x with W as GGML rows (uint8 [rows, row_bytes]) and x f32 [n]; one thread."""
+    lib, ffi = load()
+    rb = _rows(ggml_type, w, n)
+    _need(x, "x", torch.float32, 1)
+    if x.numel() != n:
+        raise NativeError(f"x: expected {n} values, got {x.numel()}")
+    y = torch.empty(w.shape[0], dtype=torch.float32)
+    check(lib.ktk_gemv(isa_index(isa_name), int(ggml_type), _ptr(ffi, w, "uint8_t *"), rb, w.shape[0], n,
+                       _ptr(ffi, x, "float *"), _ptr(ffi, y, "float *")), "gemv")
+    return y
 
 
 def linear(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor,

@@ -75,12 +75,10 @@ class CudaDriver:
             return None
         if device is None:
             return "no current CUDA context"
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        for rc in (self.lib.cuDeviceGet(ctypes.byref(dev), int(device)),
-                   self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
-                   self.lib.cuCtxSetCurrent(ctx)):
-            if rc:
-                return f"no current CUDA context ({self.error(rc)})"
+        try:
+            self.bind(int(device))
+        except NativeError as exc:
+            return f"no current CUDA context ({exc})"
         return None
 
     def bind(self, device: int) -> None:

@@ -7,6 +7,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
+# re-exported: tests and benches take it from here
+from ..weights.kquant import quantize_rows  # noqa: F401
+
 # Byte offsets of the fp16 scale fields inside one block, per type.
 _SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q5_0: (0,), QT.Q8_0: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,), QT.IQ4_XS: (0,)}
 SUPPORTED = (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.BF16)
@@ -21,29 +24,6 @@ def parse_quant(name: str) -> QT:
         raise ValueError(f"quant {name!r} is not supported natively (allowed: "
                          f"{', '.join(q.name.lower() for q in SUPPORTED)})")
     return qt
-
-
-def quantize_rows(w: torch.Tensor, qt: QT) -> torch.Tensor:
-    """Dense f32 [rows, n] -> uint8 [rows, row_bytes] of type `qt` (`ktinject.weights.kquant`'s
-    quantizers: the K-quants and, native where built, Q4_0 / Q5_0 / Q8_0 as gguf-py writes them;
-    gguf-py for the other legacy types; `kquant.quantize_iq4_xs` for IQ4_XS)."""
-    w = w.detach().to(torch.float32).contiguous()
-    if qt != QT.BF16 and w.shape[-1] % GGML_QUANT_SIZES[qt][0]:
-        raise ValueError(f"{w.shape[-1]} values per row is not a multiple of the {qt.name} block "
-                         f"({GGML_QUANT_SIZES[qt][0]})")
-    if qt == QT.BF16:
-        return w.to(torch.bfloat16).view(torch.uint8).contiguous()
-    from ..weights import kquant
-    if qt == QT.IQ4_XS:
-        return kquant.quantize_iq4_xs(w.reshape(-1, 256)).reshape(w.shape[0], -1).contiguous()
-    if qt.name in kquant.QUANTIZERS:
-        data = kquant.QUANTIZERS[qt.name](w.reshape(-1, 256))
-    elif kquant.legacy_quantizer(qt.name) is not None:
-        data = kquant.legacy_quantizer(qt.name)(w)
-    else:
-        import gguf
-        data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
-    return data.reshape(w.shape[0], -1).contiguous()
 
 
 def random_rows(qt: QT, rows: int, n: int, seed: int = 0, scale: float = 0.01, realistic: bool = False) -> torch.Tensor:

@@ -67,28 +67,15 @@ class CpuExpertsOptions:
 
 def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
     """Dense [R, C] -> (ggml type, uint8 [R, row_bytes]) in the requested format."""
-    w = w.detach().to("cpu", torch.float32).contiguous()
-    rows, cols = w.shape
-    if quant == "bf16":
-        return NATIVE_TYPES["bf16"], w.to(torch.bfloat16).view(torch.uint8).contiguous()
-    if quant == "f32":
-        return NATIVE_TYPES["f32"], w.view(torch.uint8).contiguous()
+    import gguf
+
+    from ..weights.kquant import quantize_rows
     block = 256 if quant.endswith("_k") else 32
-    if cols % block:
-        raise UnsupportedQuantError(f"cannot store as {quant}: rows of {cols} values are not a multiple of "
+    if quant not in ("bf16", "f32") and w.shape[-1] % block:
+        raise UnsupportedQuantError(f"cannot store as {quant}: rows of {w.shape[-1]} values are not a multiple of "
                                     f"{block}; choose quant=bf16 or q8_0", tensor=name)
-    if quant in ("q8_0", "q4_0"):
-        import gguf
-        qt = gguf.GGMLQuantizationType[quant.upper()]
-        data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
-    else:
-        try:
-            from ..weights import kquant
-        except ImportError:
-            raise NativeError(f"{name}: quant={quant} needs ktinject.weights.kquant, which is missing") from None
-        fn = getattr(kquant, f"quantize_{quant}")
-        data = fn(w.reshape(-1, 256))
-    return NATIVE_TYPES[quant], data.reshape(rows, -1).contiguous()
+    qt = gguf.GGMLQuantizationType(NATIVE_TYPES[quant])
+    return NATIVE_TYPES[quant], quantize_rows(w.detach().to("cpu"), qt)
 
 
 _WARNED = False                          # the stream-ordered path's unavailability was reported

@@ -26,13 +26,14 @@ from torch import nn
 
 from ..errors import LoadError
 from .base import BuildContext, Operator
+from .cpu_experts import CONVERT_BITS, NATIVE_TYPES
 from .registry import register
 
 log = logging.getLogger(__name__)
 
-# quant option -> (GGML type id, bits per weight for the plan's byte count)
-QUANTS = {"q8_0": (8, 8.5), "q4_k": (12, 4.5), "q6_k": (14, 6.5625), "bf16": (30, 16.0), "f16": (1, 16.0),
-          "f32": (0, 32.0)}
+# quant option -> (GGML type id, bits per weight for the plan's byte count): cpu_experts' tables
+QUANTS = {q: (NATIVE_TYPES[q], {**CONVERT_BITS, "f16": 16.0}[q])
+          for q in ("q8_0", "q4_k", "q6_k", "bf16", "f16", "f32")}
 _FLOAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _ELEMENT = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}   # GGML float types -> torch dtype
 ELEMENT_GEMV_MAX = 8        # float weights: the native dots beat torch only up to here (2 AVX2 cores)
@@ -91,9 +92,8 @@ class CpuLinear(Operator):
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
         from .. import native
-        from ..native.synth import quantize_rows
+        from ..weights.kquant import quantize_rows
         from ..weights.tensor import GGMLTensor, as_dense, logical_shape
-        from .cpu_experts import NATIVE_TYPES
         key = prefix + "weight"
         if key not in source:
             raise LoadError("tensor not found in the weights", missing=[key])
@@ -117,14 +117,12 @@ class CpuLinear(Operator):
             if quant != wanted[0] or isinstance(t, GGMLTensor):
                 log.info("%s: %s stored as %s (%d inputs)", key,
                          t.type_name if isinstance(t, GGMLTensor) else wanted[0], quant, self.in_features)
-            qtype = QUANTS[quant][0]
-            if qtype in _ELEMENT:
-                data = dense.to(_ELEMENT[qtype]).contiguous().view(torch.uint8)
-            else:
-                data = quantize_rows(dense.to(torch.float32), QT(qtype))
-            self.ggml_type = qtype
+            self.ggml_type = QUANTS[quant][0]
+            data = quantize_rows(dense, QT(self.ggml_type))
+        if data.shape[1] != native.row_bytes_or_none(self.ggml_type, self.in_features):
+            raise LoadError("tensor rows do not hold whole blocks of their type",
+                            mismatched=[f"{key} ({self.in_features} values per row, {data.shape[1]} bytes)"])
         self.qweight = data if data.is_contiguous() else data.contiguous()
-        native.row_bytes(self.ggml_type, self.in_features)                    # checks the pair once more
         keys = {key}
         if self.has_bias:
             from ..load import fetch_dense

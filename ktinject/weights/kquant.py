@@ -341,6 +341,31 @@ def legacy_quantizer(name: str):
 QUANTIZERS = {name: _native(name) for name in TORCH_QUANTIZERS}
 
 
+def quantize_rows(w: torch.Tensor, qt) -> torch.Tensor:
+    """Dense [rows, n] -> uint8 [rows, row_bytes] GGML rows of type `qt` (a gguf
+    GGMLQuantizationType): F32 / F16 / BF16 as the values themselves; the K-quants through
+    `QUANTIZERS`; Q4_0 / Q5_0 / Q8_0 native where built (the bytes gguf-py writes); IQ4_XS through
+    `quantize_iq4_xs`; other types through gguf-py. A ValueError when rows are not whole blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+    floats = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+    w = w.detach().to(torch.float32).contiguous()
+    if qt in floats:
+        return w.to(floats[qt]).contiguous().view(torch.uint8)
+    block = GGML_QUANT_SIZES[qt][0]
+    if w.shape[-1] % block:
+        raise ValueError(f"{w.shape[-1]} values per row is not a multiple of the {qt.name} block ({block})")
+    if qt == QT.IQ4_XS:
+        data = quantize_iq4_xs(w.reshape(-1, 256))
+    elif qt.name in QUANTIZERS:
+        data = QUANTIZERS[qt.name](w.reshape(-1, 256))
+    elif legacy_quantizer(qt.name) is not None:
+        data = legacy_quantizer(qt.name)(w)
+    else:
+        import gguf
+        data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
+    return data.reshape(w.shape[0], -1).contiguous()
+
+
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of y against x, in dB."""
     x, y = x.double().flatten(), y.double().flatten()
