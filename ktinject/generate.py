@@ -23,6 +23,7 @@ import inspect
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -256,7 +257,9 @@ class _Stepper:
         # control flow, host copies) cannot be captured, and is found here without breaking the
         # CUDA context the way a failed capture would.
         previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
+        with warnings.catch_warnings():    # torch warns that the mode is a prototype, every process
+            warnings.filterwarnings("ignore", message="Synchronization debug mode")
+            torch.cuda.set_sync_debug_mode("error")
         try:
             with contextlib.ExitStack() as streams:
                 for s in sides.values():

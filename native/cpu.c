@@ -32,7 +32,10 @@ static int detect(void) {
     int zmm = (xcr0 & 0xe0) == 0xe0;                     /* opmask + ZMM state */
     if ((f & (1 << KTK_ISA_AVX2)) && zmm && avx512f && avx512dq && avx512bw && avx512vl && vnni)
         f |= 1 << KTK_ISA_AVX512;
-    if ((f & (1 << KTK_ISA_AVX512)) && amx_tile && amx_bf16) {
+    /* the AMX path also converts to bf16 with AVX512-BF16 (every AMX CPU so far has it) */
+    unsigned a1 = 0, b1, c1, d1;
+    int avx512bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1);
+    if ((f & (1 << KTK_ISA_AVX512)) && amx_tile && amx_bf16 && avx512bf16) {
 #ifdef __linux__
         if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) g_amx_perm = 1;
 #endif

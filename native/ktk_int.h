@@ -104,14 +104,20 @@ static inline void ktk_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_
 void ktk_dequant_block(int type, const uint8_t *blk, float *dst);   /* one block */
 void ktk_quant_act_scalar(const float *x, ktk_q8 *q, int64_t n);
 
-/* AMX (amx.c): C[t*ldc + r] = dot(W[r], X[t]) with W given as bf16 [R, K] (row stride ldw
- * elements; keep ldw*2 off multiples of 4 KiB or the 16 rows of a tile alias in L1; R % 32 == 0),
- * X packed by ktk_amx_pack_x; returns 0, or -1 when AMX is not usable. */
+/* AMX (amx.c), on a block of 32 weight rows: C[r*ldc + t] = dot(W[r], X[t]) for r < 32 and
+ * t < 16 * ceil(nt / 16) (columns past nt hold zeros; ldc >= that); Wt: the rows as
+ * ktk_amx_rows_bf16 writes them; X packed by ktk_amx_pack_x. */
 int ktk_amx_usable(void);
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K);
 void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *packed);
-void ktk_amx_gemm(const uint16_t *W, int64_t ldw, int64_t R, int64_t K, const uint16_t *packed, int64_t nt,
-                  float *C, int64_t ldc);
+void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t nt, float *C, int64_t ldc);
+/* nrows GGML rows (rb bytes apart, n values each, n % 32 == 0) to bf16, tile-major: the 32
+ * values of k-step ks of row r at dst[(ks * nrows + r) * 32], so each 16-row A tile of a k-step
+ * is 1 KiB of contiguous memory; tmp: n floats of scratch. Q4_K, Q4_0, Q5_0, Q8_0, BF16 and F32
+ * are written straight from their blocks, the other types dequantized by K first. The values
+ * are the f32 dequantization's, rounded to nearest even. Needs AVX512-BF16. */
+void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
+                       uint16_t *dst, float *tmp);
 
 /* pool (pool.c): a job is `nphase` phases; phase p has `items[p]` work items run by fn. */
 typedef void (*ktk_item_fn)(void *ctx, int phase, int64_t item, int tid);

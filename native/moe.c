@@ -33,6 +33,7 @@ struct ktk_moe {
     const float *w;
     float *out;
     int64_t *cnt, *off, *act, *tile_list, *pk_off;   /* [E], [E+1], [E], [E], [E] */
+    int64_t *plain_list, nplain, nq0;                  /* [E] active experts on the row-dot path; tokens to quantize */
     uint8_t *tile;                                     /* [E] */
     int64_t *tok;                                      /* [P] token of each pair, grouped by expert */
     float *wt;                                         /* [P] its routing weight */
@@ -69,17 +70,19 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (!m->d.down_es) m->d.down_es = d->hidden * d->down_rb;
         m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
         m->act = calloc((size_t)E, sizeof(int64_t)); m->tile_list = calloc((size_t)E, sizeof(int64_t));
+        m->plain_list = calloc((size_t)E, sizeof(int64_t));
         m->pk_off = calloc((size_t)E, sizeof(int64_t)); m->tile = calloc((size_t)E, 1);
         m->maxk = d->hidden > d->inter ? d->hidden : d->inter;
         const char *s = getenv("KTINJECT_TILE_MIN");
         m->tile_min = s ? atoi(s) : 4;
         s = getenv("KTINJECT_PREFETCH");
-        m->prefetch = s ? atoi(s) : 1;
+        m->prefetch = s ? atoi(s) : 1;   /* decode: prefetch the rows this many calls ahead (0: none) */
+        if (m->prefetch < 0 || m->prefetch > 8) m->prefetch = 1;
         s = getenv("KTINJECT_MULTIROW");   /* 0: decode with the one-row dots (A/B of the kernels) */
         m->multirow = s ? atoi(s) : 1;
         if (m->tile_min < 1) m->tile_min = 1;
     }
-    if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->pk_off || !m->tile) {
+    if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {
         ktk_moe_free(m);
         if (err) *err = KTK_ENOMEM;
         return NULL;
@@ -91,7 +94,7 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
 void ktk_moe_free(ktk_moe *m) {
     if (!m) return;
     if (m->busy && m->pool) ktk_pool_wait(m->pool);
-    free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->pk_off); free(m->tile);
+    free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->plain_list); free(m->pk_off); free(m->tile);
     free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
     free(m->xpk); free(m->hpk);
     free(m);
@@ -99,14 +102,16 @@ void ktk_moe_free(ktk_moe *m) {
 
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
 
-/* Per-thread scratch: W f32 [RC, maxk], W bf16 [RC, maxk], two C blocks [maxcnt, RC]. */
-typedef struct { float *wf; uint16_t *wb; float *c0, *c1; } scratch_t;
+/* Per-thread scratch: W f32 [RC, maxk], W bf16 [RC, maxk] (tile-major), two C blocks of
+ * RC x (maxcnt rounded up to 16) floats; C[j * ct + r * cr] = row r . token j (grouped sets the
+ * strides: the f32 GEMM writes token-major, AMX row-major). */
+typedef struct { float *wf; uint16_t *wb; float *c0, *c1; int64_t ct, cr; } scratch_t;
 
 static scratch_t get_scratch(ktk_moe *m, int tid) {
-    size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * (m->maxk + 32) * 2, c = (size_t)(m->maxcnt + 1) * RC * 4;
+    size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * m->maxk * 2, c = (size_t)(m->maxcnt + 16) * RC * 4;
     wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
     uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c);
-    scratch_t r = {0, 0, 0, 0};
+    scratch_t r = {0, 0, 0, 0, 0, 0};
     if (!s) return r;
     r.wf = (float *)s; r.wb = (uint16_t *)(s + wf); r.c0 = (float *)(s + wf + wb); r.c1 = (float *)(s + wf + wb + c);
     return r;
@@ -114,26 +119,22 @@ static scratch_t get_scratch(ktk_moe *m, int tid) {
 
 static inline void prefetch_row(const uint8_t *p, int64_t bytes) { ktk_prefetch(p, bytes); }
 
-/* C[j*RC + r] = row (r0 + r) of expert matrix . tokens j, on the grouped path. */
-static int grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
-                   const float *const *X, const uint16_t *pk, int64_t nt, float *C) {
-    if (m->amx) {
-        /* bf16 rows in scratch with a padded stride (K + 32): rows 4 KiB apart would alias in L1 */
-        int64_t ldw = K + 32;
-        for (int r = 0; r < RC; r++) {
-            if (type == KTK_BF16) {         /* already bf16: copy only */
-                memcpy(s->wb + r * ldw, rows + r * rb, (size_t)K * 2);
-            } else {                        /* dequantize a row at a time, convert while in L1 */
-                m->K->dequant(type, rows + r * rb, s->wf, K);
-                m->K->to_bf16(s->wf, s->wb + r * ldw, K);
-            }
-        }
-        ktk_amx_gemm(s->wb, ldw, RC, K, pk, nt, C, RC);
-        return 0;
-    }
+/* C[j * s->ct + r * s->cr] = row (r0 + r) of expert matrix . token j, on the grouped f32 path. */
+static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
+                    const float *const *X, int64_t nt, float *C) {
     for (int r = 0; r < RC; r++) m->K->dequant(type, rows + r * rb, s->wf + (int64_t)r * K, K);
     m->K->gemm(s->wf, RC, K, X, nt, C, RC);
-    return 0;
+    s->ct = RC; s->cr = 1;
+}
+
+/* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
+ * the tile GEMM against the expert's packed tokens. */
+static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
+                        const uint16_t *pk, int64_t nt, float *C) {
+    int64_t ldc = (nt + 15) / 16 * 16;
+    ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
+    ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
+    s->ct = 1; s->cr = ldc;
 }
 
 static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
@@ -144,12 +145,18 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     if (m->tile[e]) {
         scratch_t s = get_scratch(m, tid);
         if (!s.wf) return;
-        const uint16_t *pk = m->amx ? m->xpk + m->pk_off[e] * H : NULL;
-        grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, pk, n, s.c0);
-        grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, pk, n, s.c1);
+        if (m->amx) {
+            const uint16_t *pk = m->xpk + m->pk_off[e] * H;
+            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0);
+            grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1);
+        } else {
+            grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, n, s.c0);
+            grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, n, s.c1);
+        }
         for (int64_t j = 0; j < n; j++) {
             float *hr = m->h + (base + j) * I + r0;
-            for (int r = 0; r < RC; r++) hr[r] = silu(s.c0[j * RC + r]) * s.c1[j * RC + r];
+            const float *a = s.c0 + j * s.ct, *b = s.c1 + j * s.ct;
+            for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
         }
         return;
     }
@@ -174,12 +181,12 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     const int S = RC / DG;
     float gv[DG], uv[DG];
     for (int p = 0; p < S; p++, g += d->gate_rb, u += d->up_rb) {
-        int pf = m->prefetch && p + 1 < S;
+        int pf = m->prefetch && p + m->prefetch < S;
         for (int64_t j = 0; j < n; j++, pf = 0) {
             int64_t t = m->tok[base + j];
             const ktk_q8 *xa = (const ktk_q8 *)(m->xq + t * ab);
-            dg(g, S * d->gate_rb, DG, m->x + t * H, xa, H, gv, pf ? g + d->gate_rb : NULL);
-            du(u, S * d->up_rb, DG, m->x + t * H, xa, H, uv, pf ? u + d->up_rb : NULL);
+            dg(g, S * d->gate_rb, DG, m->x + t * H, xa, H, gv, pf ? g + m->prefetch * d->gate_rb : NULL);
+            du(u, S * d->up_rb, DG, m->x + t * H, xa, H, uv, pf ? u + m->prefetch * d->up_rb : NULL);
             float *hr = m->h + (base + j) * I + r0 + p;
             for (int q = 0; q < DG; q++) hr[q * S] = silu(gv[q]) * uv[q];
         }
@@ -192,18 +199,22 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     size_t ab = ktk_act_bytes(I);
     for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
     ktk_dotn_fn dd = m->K->dotn[d->down_type];
-    scratch_t s = {0, 0, 0, 0};
+    scratch_t s = {0, 0, 0, 0, 0, 0};
     for (int64_t a = 0; a < m->nact; a++) {
         int64_t e = m->act[a], n = m->cnt[e], base = m->off[e];
         const uint8_t *rows = d->down + e * d->down_es + r0 * d->down_rb;
         if (m->tile[e]) {
             if (!s.wf) s = get_scratch(m, tid);
             if (!s.wf) return;
-            grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base,
-                    m->amx ? m->hpk + m->pk_off[e] * I : NULL, n, s.c0);
+            if (m->amx) {
+                grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0);
+            } else {
+                grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base, n, s.c0);
+            }
             for (int64_t j = 0; j < n; j++) {
                 float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
-                for (int r = 0; r < RC; r++) o[r] += wv * s.c0[j * RC + r];
+                const float *c = s.c0 + j * s.ct;
+                for (int r = 0; r < RC; r++) o[r] += wv * c[r * s.cr];
             }
             continue;
         }
@@ -220,12 +231,12 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
         }
         const int S = (int)(rc / DG);   /* as in phase_gate_up: DG rows S apart per call */
         for (int p = 0; p < S; p++, rows += d->down_rb) {
-            int pf = m->prefetch && p + 1 < S;
+            int pf = m->prefetch && p + m->prefetch < S;
             for (int64_t j = 0; j < n; j++, pf = 0) {
                 int64_t pos = base + j;
                 float dv[DG], wv = m->wt[pos], *o = m->out + m->tok[pos] * H + r0 + p;
                 dd(rows, S * d->down_rb, DG, m->hptr[pos], (const ktk_q8 *)(m->hq + pos * ab), I, dv,
-                   pf ? rows + d->down_rb : NULL);
+                   pf ? rows + m->prefetch * d->down_rb : NULL);
                 for (int q = 0; q < DG; q++) o[q * S] += wv * dv[q];
             }
         }
@@ -238,14 +249,19 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
     int64_t H = d->hidden, I = d->inter;
     switch (phase) {
     case 0:
-        if (item < m->T) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
-        { int64_t e = m->tile_list[item - m->T];
+        if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
+        { int64_t e = m->tile_list[item - m->nq0];
           ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H); }
         break;
     case 1: phase_gate_up(m, item, tid); break;
     case 2:
-        if (item < m->P) { m->K->quant_act(m->h + item * I, (ktk_q8 *)(m->hq + item * ktk_act_bytes(I)), I); break; }
-        { int64_t e = m->tile_list[item - m->P];
+        if (item < m->nplain) {   /* the row-dot experts' h, quantized (the grouped path reads floats) */
+            int64_t e = m->plain_list[item];
+            for (int64_t pos = m->off[e]; pos < m->off[e + 1]; pos++)
+                m->K->quant_act(m->h + pos * I, (ktk_q8 *)(m->hq + pos * ktk_act_bytes(I)), I);
+            break;
+        }
+        { int64_t e = m->tile_list[item - m->nplain];
           ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I); }
         break;
     default: phase_down(m, item, tid); break;
@@ -289,7 +305,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->hptr[pos] = m->h + pos * I;
     }
     m->amx = isa == KTK_ISA_AMX;
-    m->nact = m->ntile = m->maxcnt = 0;
+    m->nact = m->ntile = m->maxcnt = m->nplain = 0;
     int64_t npad = 0;
     for (int64_t e = 0; e < E; e++) {
         m->tile[e] = 0;
@@ -301,6 +317,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             m->pk_off[e] = npad;
             npad += (m->cnt[e] + 15) / 16 * 16;
             if (m->amx) m->tile_list[m->ntile++] = e;
+        } else {
+            m->plain_list[m->nplain++] = e;
         }
     }
     if (m->amx && npad) {
@@ -311,7 +329,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->K = K; m->pool = p; m->T = T; m->k = k; m->P = P; m->x = x; m->w = w; m->out = out;
     m->rcd = (m->maxcnt > 0 || H % 64) ? RC : RC / 2;   /* decode: finer down items balance better */
     m->nci = I / RC; m->nch = H / m->rcd;
-    int64_t items[4] = {T + m->ntile, m->nact * m->nci, P + m->ntile, m->nch};
+    m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
+    int64_t items[4] = {m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile, m->nch};
     int rc = ktk_pool_run_async(p, moe_item, m, 4, items);
     if (rc == KTK_OK) m->busy = 1;
     return rc;

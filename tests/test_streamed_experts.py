@@ -403,7 +403,8 @@ def test_gpu_overlay_generate_graph_decode_between_stream_prefills(family, tmp_p
     runs = []
     for graph in ("auto", "off", "auto"):
         before = [dict(op.calls) for op in ops]
-        r = generate(model, tok, prompt, max_new_tokens=12, cuda_graph=graph)
+        # reuse_prefix=False: the whole prompt again, so it streams (a kept prefix would leave one token)
+        r = generate(model, tok, prompt, max_new_tokens=12, cuda_graph=graph, reuse_prefix=False)
         assert all(op.calls["stream"] > b["stream"] for op, b in zip(ops, before)), graph
         runs.append(r)
     assert runs[0].decode_mode == runs[2].decode_mode == "cuda-graph", runs[0].decode_mode

@@ -193,7 +193,7 @@ def _ptr(ffi, t: torch.Tensor, ctype: str):
 def _need(t, name: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise NativeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise NativeError(f"{name}: must be on the CPU, is on {t.device}")
     if t.dtype != dtype:
         raise NativeError(f"{name}: dtype must be {dtype}, got {t.dtype}")

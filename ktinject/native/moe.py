@@ -14,6 +14,8 @@ import torch
 from ..errors import NativeError
 from . import Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
 
+KTK_ERANGE = -2   # ktk.h: an expert id out of range
+
 
 @dataclass(frozen=True)
 class ExpertMatrix:
@@ -105,10 +107,6 @@ class MoEKernel:
         if ids.shape[0] != T or w.shape != ids.shape:
             raise NativeError(f"top_k_index {list(ids.shape)} and top_k_weights {list(w.shape)} must both be "
                               f"[T={T}, k]")
-        if ids.numel():
-            lo, hi = (int(v) for v in torch.aminmax(ids))
-            if lo < 0 or hi >= self.n_experts:
-                raise NativeError(f"top_k_index: expert id {lo if lo < 0 else hi} out of range [0, {self.n_experts})")
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Start the layer on the pool and return at once. x: [T, H] f32, ids: [T, k] i64, w: [T, k] f32."""
@@ -118,9 +116,12 @@ class MoEKernel:
         lib, ffi = load()
         out = torch.empty_like(x)
         T, k = ids.shape
-        check(lib.ktk_moe_submit(self._ptr, self.pool.ptr, self.isa, T, max(k, 1), _ptr(ffi, x, "float *"),
-                                 _ptr(ffi, ids, "int64_t *"), _ptr(ffi, w, "float *"), _ptr(ffi, out, "float *")),
-              "MoE submit")
+        rc = lib.ktk_moe_submit(self._ptr, self.pool.ptr, self.isa, T, max(k, 1), _ptr(ffi, x, "float *"),
+                                _ptr(ffi, ids, "int64_t *"), _ptr(ffi, w, "float *"), _ptr(ffi, out, "float *"))
+        if rc == KTK_ERANGE:   # the C side checks every id; the message names the first bad one
+            bad = ids[(ids < 0) | (ids >= self.n_experts)][0]
+            raise NativeError(f"top_k_index: expert id {int(bad)} out of range [0, {self.n_experts})")
+        check(rc, "MoE submit")
         self._inflight = (x, ids, w, out)      # inputs stay alive until sync()
 
     def sync(self) -> torch.Tensor:
