@@ -130,6 +130,33 @@ def test_overlay_places_every_linear_and_matches_float_reference(tmp_path):
     assert auto.lm_head.ggml_type == int(QT.F32)                     # float32 safetensors: kept exact
 
 
+@pytest.mark.parametrize("overlay,first", [("cpu-linear", True), (None, False)])
+def test_cpu_block_runs_pool_shared_experts_before_the_routed_ones(tmp_path, overlay, first):
+    """On the CPU, shared experts that are cpu_linear (native pool) run before the routed experts
+    are submitted (overlapped, they would find the pool busy and run on one thread); float ones
+    (torch's threads) still overlap. Either way the block's output is the same sum."""
+    from ktinject import optimize_and_load
+    from ktinject.operators.moe import OverlappedMoe
+    from ktinject.testing import save_tiny
+    d = save_tiny("qwen2_moe", tmp_path / "m")
+    model, _ = optimize_and_load(d, [overlay, "qwen2-moe-cpu"] if overlay else "qwen2-moe-cpu")
+    block = next(m for m in model.modules() if isinstance(m, OverlappedMoe))
+    events = []
+    submit = block.experts.submit
+    block.experts.submit = lambda *a: (events.append("routed"), submit(*a))[1]
+    block.shared_expert.register_forward_pre_hook(lambda *a: events.append("shared"))
+    h = torch.randn(1, 3, block.hidden)
+    with torch.no_grad():
+        out = block(h)
+        order = list(events)
+        block.experts.submit = submit
+        x = h.reshape(-1, block.hidden)
+        _, w, ids = block.gate(x)
+        want = block.experts.forward(x, ids, w) + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    assert order == (["shared", "routed"] if first else ["routed", "shared"])
+    assert torch.allclose(out.reshape(-1, block.hidden), want, atol=1e-6)
+
+
 @pytest.mark.parametrize("family,preset", [("deepseek_v2", "q4_k_m"), ("qwen3_moe", "q8_0")])
 def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, preset):
     """A GGUF loaded with `cpu-linear`: each linear keeps its tensor in the file's type (the
