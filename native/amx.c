@@ -123,8 +123,8 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
 
 /* ---- GGML rows to tile-major bf16 (AVX-512 + AVX512-BF16) ----
  * Each writer emits one row's 32-value k-steps, chunk ks at dst + ks * cs (cs: elements). The
- * values are those of the f32 dequantization (same fused multiply-adds) rounded to nearest even,
- * as the generic path (dequantize, then convert) gives them. 4- and 5-bit types go through a
+ * values are those of the f32 dequantization (same fused multiply-adds) rounded to nearest even
+ * (subnormals flush to zero in the AVX512-BF16 conversions). 4- and 5-bit types go through a
  * table: the 16 (or 32) values a block or sub-block can take are computed and converted once,
  * and one word permutation per 32 values looks them up. */
 #define KTK_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))

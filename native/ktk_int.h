@@ -115,7 +115,8 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t
  * values of k-step ks of row r at dst[(ks * nrows + r) * 32], so each 16-row A tile of a k-step
  * is 1 KiB of contiguous memory; tmp: n floats of scratch. Q4_K, Q4_0, Q5_0, Q8_0, BF16 and F32
  * are written straight from their blocks, the other types dequantized by K first. The values
- * are the f32 dequantization's, rounded to nearest even. Needs AVX512-BF16. */
+ * are the f32 dequantization's, rounded to nearest even (subnormals flushed to zero, as the
+ * AVX512-BF16 conversions do). Needs AVX512-BF16. */
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp);
 

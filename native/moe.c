@@ -1,12 +1,13 @@
 /* The fused routed-experts layer.
  *
  * One call = one pool job of four phases (items claimed dynamically by the workers):
- *   P0  quantize each token's activations to Q8 blocks; pack the tokens of every grouped
- *       expert for AMX (when that path runs)                     items: T + grouped experts
+ *   P0  quantize each token's activations to Q8 blocks (when some expert takes the row-dot
+ *       path); pack the tokens of every grouped expert for AMX (when that path runs)
+ *                                                                items: T or 0, + grouped experts
  *   P1  gate and up projections, h = SiLU(gate) * up, for (expert, 32 rows of I)
  *                                                                items: active experts * I/32
- *   P2  quantize h of every (token, expert) pair; pack h of grouped experts for AMX
- *                                                                items: T*k + grouped experts
+ *   P2  quantize h of the row-dot experts' (token, expert) pairs; pack h of grouped experts
+ *       for AMX                                     items: row-dot experts + grouped experts
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
@@ -14,7 +15,8 @@
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
  * ($KTINJECT_MULTIROW=0: the one-row kernels). An expert with more (prefill) takes the grouped
  * path: 32 weight rows are dequantized once into per-thread scratch and multiplied with all of
- * its tokens by the f32 GEMM micro-kernel, or by AMX-BF16 tiles on the AMX path. */
+ * its tokens by the f32 GEMM micro-kernel, or written as bf16 tiles and multiplied by AMX-BF16
+ * tiles on the AMX path. */
 #include "ktk_int.h"
 #include <math.h>
 #include <stdlib.h>
@@ -77,7 +79,7 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->tile_min = s ? atoi(s) : 4;
         s = getenv("KTINJECT_PREFETCH");
         m->prefetch = s ? atoi(s) : 1;   /* decode: prefetch the rows this many calls ahead (0: none) */
-        if (m->prefetch < 0 || m->prefetch > 8) m->prefetch = 1;
+        if (m->prefetch < 0 || m->prefetch > 3) m->prefetch = 1;   /* an item has 4-8 calls per stream */
         s = getenv("KTINJECT_MULTIROW");   /* 0: decode with the one-row dots (A/B of the kernels) */
         m->multirow = s ? atoi(s) : 1;
         if (m->tile_min < 1) m->tile_min = 1;
@@ -164,7 +166,10 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     if (!m->multirow) {   /* one row at a time, each read once and dotted with every token */
         ktk_dot_fn dg1 = m->K->dot[d->gate_type], du1 = m->K->dot[d->up_type];
         for (int r = 0; r < RC; r++, g += d->gate_rb, u += d->up_rb) {
-            if (m->prefetch && r + 1 < RC) { prefetch_row(g + d->gate_rb, d->gate_rb); prefetch_row(u + d->up_rb, d->up_rb); }
+            if (m->prefetch && r + m->prefetch < RC) {
+                prefetch_row(g + m->prefetch * d->gate_rb, d->gate_rb);
+                prefetch_row(u + m->prefetch * d->up_rb, d->up_rb);
+            }
             for (int64_t j = 0; j < n; j++) {
                 int64_t t = m->tok[base + j];
                 const ktk_q8 *xa = (const ktk_q8 *)(m->xq + t * ab);
@@ -221,7 +226,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
         if (!m->multirow) {
             ktk_dot_fn dd1 = m->K->dot[d->down_type];
             for (int r = 0; r < rc; r++, rows += d->down_rb) {
-                if (m->prefetch && r + 1 < rc) prefetch_row(rows + d->down_rb, d->down_rb);
+                if (m->prefetch && r + m->prefetch < rc) prefetch_row(rows + m->prefetch * d->down_rb, d->down_rb);
                 for (int64_t j = 0; j < n; j++) {
                     int64_t pos = base + j;
                     m->out[m->tok[pos] * H + r0 + r] += m->wt[pos] * dd1(rows, m->hptr[pos], (const ktk_q8 *)(m->hq + pos * ab), I);

@@ -80,11 +80,15 @@ static void gemm_avx512(const float *W, int64_t R, int64_t K, const float *const
 
 static void to_bf16_avx512(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
-    const __m512i r = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i r = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), inf = _mm512_set1_epi32(0x7f800000);
     for (; i + 16 <= n; i += 16) {
         __m512i u = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+        /* NaN stays a quiet NaN (ktk_f32_to_bf16): rounding would carry it into Inf or zero */
+        __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), inf);
+        __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
         u = _mm512_add_epi32(u, _mm512_add_epi32(r, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        u = _mm512_mask_mov_epi32(_mm512_srli_epi32(u, 16), nan, q);
+        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(u));
     }
     for (; i < n; i++) y[i] = ktk_f32_to_bf16(x[i]);
 }

@@ -2,7 +2,7 @@
  * quick checks on a new machine: random valid blocks of every type, every usable ISA path,
  * GEMV and the fused MoE layer at batch 1 and 48 (row-dot and grouped paths), compared with
  * the scalar path; bad arguments must be refused. Exit status 0 = all good. */
-#include "ktk.h"
+#include "ktk_int.h"   /* the kernel tables too (to_bf16 check) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -170,6 +170,25 @@ int main(void) {
         }
         if (ktk_quantize_legacy(KTK_Q4_K, xq, 1, (uint8_t *)xq) != KTK_EINVAL) fails++;
         free(xq);
+    }
+    {   /* float -> bf16 of every SIMD path equals the scalar rule, NaN, Inf and rounding ties included */
+        const uint32_t special[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu, 0xffffffffu,
+                                    0xffff8000u, 0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x00000001u, 0x80000000u,
+                                    0x3f808000u, 0x3f818000u};
+        enum { NB = 1027 };
+        float xb[NB];
+        uint16_t yb[NB];
+        for (int i = 0; i < NB; i++) {
+            uint32_t u = i % 5 == 0 ? special[(i / 5) % 14] : (uint32_t)rnd() * 2654435761u;
+            memcpy(&xb[i], &u, 4);
+        }
+        for (int isa = KTK_ISA_AVX2; isa <= KTK_ISA_AVX512; isa++) {
+            const ktk_kernels *K = (feats >> isa & 1) ? ktk_kernels_for(isa) : NULL;
+            if (!K) continue;
+            K->to_bf16(xb, yb, NB);
+            for (int i = 0; i < NB; i++)
+                if (yb[i] != ktk_f32_to_bf16(xb[i])) { fprintf(stderr, "to_bf16 isa %d value %d\n", isa, i); fails++; break; }
+        }
     }
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
     if (bw <= 0) fails++;
