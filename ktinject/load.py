@@ -410,7 +410,9 @@ def install_device_hooks(model: nn.Module, the_plan: Plan) -> int:
             if isinstance(child, (Operator, PhaseDispatch)) and \
                     (full not in stages or not any(d.startswith("cuda") for d in devices.get(full, ()))):
                 continue
-            child.register_forward_pre_hook(_make_hook(memo, _hook_device(own[full])), with_kwargs=True)
+            phases = {k: _hook_device(str(v)) for k, v in child.devices.items()} \
+                if isinstance(child, PhaseDispatch) else None
+            child.register_forward_pre_hook(_make_hook(memo, _hook_device(own[full]), phases), with_kwargs=True)
             count += 1
     log.debug("installed %d device hooks", count)
     return count
@@ -437,15 +439,18 @@ def _called_children(mod: nn.Module, name: str):
             yield full, child
 
 
-def _make_hook(memo: TransferMemo, device: torch.device):
+def _make_hook(memo: TransferMemo, device: torch.device, phases: Optional[dict] = None):
+    """Move a stage's inputs to its device and make that GPU current. A dispatcher goes by its
+    phase's device (`phases`: those devices, a bare `cuda` resolved at load like `device`); in a
+    CPU phase it moves its inputs itself."""
     def hook(module, args, kwargs):
-        dev = module.devices[current()] if isinstance(module, PhaseDispatch) else device
-        if dev.type != "cuda":
-            # plain modules on the CPU get their inputs there; a dispatcher in its CPU phase
-            # moves them itself
-            if isinstance(module, PhaseDispatch):
+        if isinstance(module, PhaseDispatch):
+            dev = (phases or module.devices)[current()]
+            if dev.type != "cuda":
                 return None
-            return memo.move_all(args, dev), memo.move_all(kwargs, dev)
-        make_current(dev)
+        else:
+            dev = device
+        if dev.type == "cuda":
+            make_current(dev)
         return memo.move_all(args, dev), memo.move_all(kwargs, dev)
     return hook

@@ -30,7 +30,8 @@ static void lin_rows(const lin_ctx *c, int64_t item) {
     int nr = (int)(c->rows - r0 < LIN_CH ? c->rows - r0 : LIN_CH);
     float out[LIN_CH];
     for (int64_t t = 0; t < c->T; t++) {
-        c->K->dotn[c->type](c->w + r0 * c->rb, c->rb, nr, c->x + t * c->n, (const ktk_q8 *)(c->xq + t * c->ab), c->n,
+        const ktk_q8 *xa = c->xq ? (const ktk_q8 *)(c->xq + t * c->ab) : NULL;   /* NULL: float rows */
+        c->K->dotn[c->type](c->w + r0 * c->rb, c->rb, nr, c->x + t * c->n, xa, c->n,
                             out, NULL);
         memcpy(c->y + t * c->rows + r0, out, (size_t)nr * sizeof(float));
     }
@@ -58,17 +59,23 @@ int ktk_linear(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_byt
     if (T < 0 || (T && (!x || !y))) return KTK_EINVAL;
     if (!T || !rows) return KTK_OK;
     lin_ctx c = {K, type, w, row_bytes, rows, n, n - n % QK, T, x, y, NULL, 0};
-    c.ab = ktk_act_bytes(c.nq);
-    c.ab = (c.ab + 63) / 64 * 64;                      /* each record on its own cache lines */
-    if ((uint64_t)T > (SIZE_MAX - 64) / c.ab) return KTK_ENOMEM;
-    uint8_t *mem = malloc((size_t)T * c.ab + 64);
-    if (!mem) return KTK_ENOMEM;
-    c.xq = (uint8_t *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
-    int64_t chunks = (rows + LIN_CH - 1) / LIN_CH, items[2] = {T, chunks};
+    /* float rows (F32, F16, BF16) are dotted with the floats themselves: no activation records
+     * (and a row may be shorter than one 32-value block) */
+    const int quantized = type != KTK_F32 && type != KTK_F16 && type != KTK_BF16;
+    uint8_t *mem = NULL;
+    if (quantized) {
+        c.ab = ktk_act_bytes(c.nq);
+        c.ab = (c.ab + 63) / 64 * 64;                  /* each record on its own cache lines */
+        if (!c.ab || (uint64_t)T > (SIZE_MAX - 64) / c.ab) return KTK_ENOMEM;
+        mem = malloc((size_t)T * c.ab + 64);
+        if (!mem) return KTK_ENOMEM;
+        c.xq = (uint8_t *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+    }
+    int64_t chunks = (rows + LIN_CH - 1) / LIN_CH, items[2] = {quantized ? T : 0, chunks};
     if (p && ktk_pool_run_async(p, lin_item, &c, 2, items) == KTK_OK) {
         ktk_pool_wait(p);
     } else {                                           /* no pool, or it is busy: this thread alone */
-        for (int64_t t = 0; t < T; t++) lin_item(&c, 0, t, 0);
+        for (int64_t t = 0; t < items[0]; t++) lin_item(&c, 0, t, 0);
         for (int64_t i = 0; i < chunks; i++) lin_rows(&c, i);
     }
     free(mem);

@@ -139,6 +139,22 @@ def test_cpu_hooks_move_plain_modules_inputs_only():
     assert _make_hook(memo, cpu)(dispatch, (x,), {}) is None                 # moves its inputs itself
 
 
+def test_dispatcher_hooks_go_by_the_devices_resolved_at_load():
+    """A dispatcher's hook uses the phase devices resolved when it was installed (a bare `cuda`
+    becomes the GPU current at load), not the dispatcher's own possibly bare ones."""
+    from ktinject import phase
+    from ktinject.load import _hook_device, _make_hook
+    from ktinject.phase import PhaseDispatch
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert _hook_device("cuda") == torch.device("cuda", gpu)
+    assert _hook_device("cuda:1") == torch.device("cuda", 1) and _hook_device("cpu") == torch.device("cpu")
+    cpu = torch.device("cpu")
+    dispatch = PhaseDispatch(torch.nn.Identity(), torch.nn.Identity(), cpu, torch.device("cuda"))
+    hook = _make_hook(TransferMemo(), cpu, {"prefill": cpu, "generate": cpu})
+    with phase.use("generate"):            # its own device would be the bare `cuda`: not used
+        assert hook(dispatch, (torch.ones(2),), {}) is None
+
+
 def test_device_restore_runs_when_the_forward_raises(monkeypatch):
     """A stage switched the current GPU, then the forward raised: the caller's device comes back
     (torch.cuda's device calls stand in for two GPUs here)."""

@@ -35,6 +35,19 @@ def test_native_linear_equals_dequantized_matmul(qt, T):
     assert torch.equal(native.linear(None, int(qt), w, 512, x), y)        # the caller's thread alone: same
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_linear_float_rows_shorter_than_a_block(dtype):
+    """Float rows take no activation records: 16 values (less than one 32-value block) work too."""
+    from ktinject.operators.cpu_linear import _ELEMENT
+    qt = next(t for t, d in _ELEMENT.items() if d == dtype)
+    w = torch.randn(5, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    ref = x @ w.float().T
+    for pool in (native.default_pool(2), None):
+        y = native.linear(pool, qt, w.view(torch.uint8).reshape(5, -1).contiguous(), 16, x)
+        assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
 def test_native_linear_checks_its_arguments():
     pool = native.default_pool(2)
     w = _rows(QT.Q8_0)
