@@ -15,6 +15,7 @@ cross to each device once per forward, not once per layer.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -131,6 +132,12 @@ def attach_memo(model: nn.Module) -> TransferMemo:
     return memo
 
 
+def cuda_index(device: Any) -> int:
+    """The index of a CUDA device; a bare `cuda` is the current GPU."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def make_current(device: torch.device) -> None:
     """Make a CUDA device current (a bare `cuda`, the current one, changes nothing)."""
     if device.index is not None and torch.cuda.current_device() != device.index:
@@ -144,16 +151,17 @@ def attach_device_restore(model: nn.Module) -> None:
     if getattr(model, "ktinject_device_restore", False):
         return
     model.ktinject_device_restore = True
-    saved: list[int] = []
+    local = threading.local()              # each calling thread restores its own device
 
     def enter(mod, args):
-        saved.append(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+        local.__dict__.setdefault("saved", []).append(torch.cuda.current_device() if torch.cuda.is_available() else -1)
 
     def leave(mod, args, out):
+        saved = local.__dict__.get("saved")
         if saved:
             index = saved.pop()
-            if index >= 0 and torch.cuda.current_device() != index:
-                torch.cuda.set_device(index)
+            if index >= 0:
+                make_current(torch.device("cuda", index))
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)

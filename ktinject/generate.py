@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from .boundaries import cuda_index
 from .errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -158,20 +159,16 @@ def _graph_blocker(model, device: torch.device) -> Optional[str]:
     return None
 
 
-def _index(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 def _cuda_devices(model) -> set[int]:
     """Indices of the GPUs holding the model's parameters and buffers."""
-    return {_index(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"}
+    return {cuda_index(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"}
 
 
 def _wait_int(t: torch.Tensor) -> int:
     """int(t), for a CUDA tensor waiting on a blocking event: a plain sync spins a core at 100%
     for the whole step, a core the CPU experts' workers need."""
     if t.device.type == "cuda":
-        index = _index(t.device)
+        index = cuda_index(t.device)
         events = _WAIT_EVENTS.__dict__.setdefault("events", {})
         ev = events.get(index)
         if ev is None:                    # one per GPU and thread, re-recorded each token
@@ -207,9 +204,8 @@ def _rewind(cache: Any, length: int) -> None:
 
 def _make_cache(model, length: int, batch: int, device: torch.device, static: bool):
     from transformers import DynamicCache, StaticCache
-    for mod in model.modules():
-        if hasattr(mod, "reserve") and callable(mod.reserve) and mod is not model:
-            mod.reserve(batch, length)
+    for mod in _own_caches(model):
+        mod.reserve(batch, length)
     if static:
         try:
             return StaticCache(config=model.config, max_cache_len=length), "static"
@@ -249,8 +245,8 @@ class _Stepper:
         # the capture through an event wait and rejoins it before the capture ends; what they
         # allocate during the capture goes to a pool of their device kept with the graph (the
         # graph's own pool covers the capturing device only).
-        others = sorted(_cuda_devices(self.model) - {_index(device)})
-        sides = {d: torch.cuda.Stream(device=d) for d in [_index(device), *others]}
+        others = sorted(_cuda_devices(self.model) - {cuda_index(device)})
+        sides = {d: torch.cuda.Stream(device=d) for d in [cuda_index(device), *others]}
         for d, s in sides.items():
             s.wait_stream(torch.cuda.current_stream(d))
         # Warm-up with host synchronisation turned into an error: code that syncs (data-dependent
@@ -341,10 +337,9 @@ def _marks(model, cache) -> tuple:
         for name, value in vars(m).items():
             if name != "_modules":
                 out.extend(t.data_ptr() for t in _tensors_in(value))
-        jobs = getattr(m, "_jobs", None)          # cpu_experts: (device, tokens, k) -> job; decode's are 1-token
-        if isinstance(jobs, dict):
-            out.extend(getattr(j, "serial", id(j)) for key, j in jobs.items()
-                       if isinstance(key, tuple) and len(key) > 1 and key[1] == 1)
+        serials = getattr(m, "decode_job_serials", None)   # cpu_experts' stream-ordered one-token jobs
+        if serials is not None:
+            out.extend(serials())
     for layer in getattr(cache, "layers", ()):
         for name in ("keys", "values", "cumulative_length"):
             t = getattr(layer, name, None)
@@ -362,7 +357,7 @@ def _own_caches(model) -> list:
 def _cache_writes(model) -> tuple:
     """The own caches' write counters: a change since a call ended means something else wrote
     there (a direct forward, another generation), so the kept tokens no longer describe them."""
-    return tuple(int(getattr(m, "cache_writes", 0)) for m in _own_caches(model))
+    return tuple(int(m.cache_writes) for m in _own_caches(model))
 
 
 def release_generation(model) -> None:

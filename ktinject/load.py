@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import weights
-from .boundaries import TransferMemo, attach_device_restore, attach_memo, make_current, trunk
+from .boundaries import TransferMemo, attach_device_restore, attach_memo, cuda_index, make_current, trunk
 from .errors import LoadError, ModelError
 from .operators import registry
 from .operators.base import BuildContext, Operator
@@ -423,7 +423,8 @@ def _hook_device(device: str) -> torch.device:
     tensors went)."""
     dev = _device(device)
     if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        # without CUDA (a plan checked on the meta skeleton, the CPU tests) the first GPU stands in
+        dev = torch.device("cuda", cuda_index(dev) if torch.cuda.is_available() else 0)
     return dev
 
 

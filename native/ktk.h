@@ -30,7 +30,7 @@
 /* Error codes. */
 #define KTK_OK 0
 #define KTK_EINVAL -1      /* bad argument (sizes, types) */
-#define KTK_ERANGE -2      /* an expert id out of range */
+#define KTK_ERANGE -2      /* a value out of range: an expert id; a NaN / Inf or overflow to quantize */
 #define KTK_ENOMEM -3
 #define KTK_EBUSY -4       /* a job is already in flight on this pool */
 #define KTK_EISA -5        /* the requested ISA is not available */

@@ -105,7 +105,7 @@ def _hooked(model, name):
     return bool(model.get_submodule(name)._forward_pre_hooks)
 
 
-@pytest.mark.parametrize("pack,family,layers,split", TWO_GPU[:1] + TWO_GPU[2:])
+@pytest.mark.parametrize("pack,family,layers,split", TWO_GPU)
 def test_two_gpu_hooks_cover_trunk_operators_only(pack, family, layers, split):
     """On the injected skeleton (meta): the final norm and lm_head (trunk stages, operators on
     cuda:0 after a layer on cuda:1) take their inputs through the hooks, so the hidden state

@@ -121,6 +121,15 @@ def test_operator_quantizes_float_weights_at_load(quant, tol):
         _op(torch.randn(81, 512), None)
 
 
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
+def test_a_weight_that_cannot_be_quantized_is_named(quant):
+    from ktinject.errors import LoadError
+    bad = torch.randn(80, 512) * 0.05
+    bad[3, 7] = float("nan")
+    with pytest.raises(LoadError, match=rf"t\.proj\.weight: cannot be stored as {quant}: .*finite"):
+        _op(bad, None, quant=quant)
+
+
 def test_overlay_places_every_linear_and_matches_float_reference(tmp_path):
     """`cpu-linear` before a -cpu pack: every Linear (attention, shared experts, lm_head) becomes
     cpu_linear; with f32 rows the logits are the -cpu pack's."""

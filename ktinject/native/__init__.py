@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512", "amx")
 ENV_ISA = "KTINJECT_ISA"
-_ERRORS = {-1: "invalid argument", -2: "expert id out of range", -3: "out of memory",
-           -4: "a job is already in flight on this pool", -5: "ISA path not available on this CPU"}
+_ERRORS = {-1: "invalid argument", -2: "expert id out of range (when quantizing: a NaN / Inf or an overflow)",
+           -3: "out of memory", -4: "a job is already in flight on this pool", -5: "ISA path not available on this CPU"}
 
 _lib = None
 _ffi = None
@@ -205,9 +205,8 @@ def _need(t, name: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
 
 
 def row_bytes(ggml_type: int, n: int) -> int:
-    lib, _ = load()
-    rb = int(lib.ktk_row_bytes(int(ggml_type), int(n)))
-    if rb < 0:
+    rb = row_bytes_or_none(ggml_type, n)
+    if rb is None:
         raise NativeError(f"GGML type {ggml_type} is not supported natively or {n} is not a multiple of its block")
     return rb
 
@@ -256,15 +255,25 @@ def linear(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int, x: t
            isa_name: Optional[str] = None) -> torch.Tensor:
     """y [T, rows] = x [T, n] (f32) times W^T, W as GGML rows (uint8 [rows, row_bytes]), over the
     pool's workers (this thread alone when `pool` is None or busy)."""
-    lib, ffi = load()
-    rb = _rows(ggml_type, w, n)
+    _rows(ggml_type, w, n)
     _need(x, "x", torch.float32, 2)
     if x.shape[1] != n:
         raise NativeError(f"x: expected [T, {n}], got {list(x.shape)}")
+    return linear_checked_rows(pool, isa_index(isa_name), ggml_type, w, n, x)
+
+
+def linear_checked_rows(pool: Optional["Pool"], isa: int, ggml_type: int, w: torch.Tensor, n: int,
+                        x: torch.Tensor) -> torch.Tensor:
+    """`linear` for a caller that checked w (uint8 [rows, row_bytes] of the type, contiguous) once
+    and resolved the ISA index (`isa_index()`): per call only x is checked here (C checks every size
+    again). The per-token path of `cpu_linear`."""
+    lib, ffi = load()
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != n or not x.is_contiguous():
+        raise NativeError(f"x: expected contiguous float32 CPU [T, {n}], got {x.dtype} {list(x.shape)}")
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    check(lib.ktk_linear(pool.ptr if pool is not None else ffi.NULL, isa_index(isa_name), int(ggml_type),
-                         _ptr(ffi, w, "uint8_t *"), rb, w.shape[0], n, x.shape[0], _ptr(ffi, x, "float *"),
-                         _ptr(ffi, y, "float *")), "linear")
+    check(lib.ktk_linear(pool.ptr if pool is not None else ffi.NULL, isa, int(ggml_type), _ptr(ffi, w, "uint8_t *"),
+                         w.shape[1], w.shape[0], n, x.shape[0], _ptr(ffi, x, "float *"), _ptr(ffi, y, "float *")),
+          "linear")
     return y
 
 
@@ -295,6 +304,6 @@ def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[s
 from .moe import MoEKernel, ExpertMatrix  # noqa: E402  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
-           "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "load", "missing_reason",
+           "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
            "probe_read_gbps", "row_bytes",
            "usable_isas"]

@@ -47,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from ..boundaries import cuda_index
 from ..errors import NativeError
 from . import load
 
@@ -97,8 +98,7 @@ def _skip_level() -> int:
 def bells_usable(device: torch.device) -> Optional[str]:
     """None when doorbells work on `device` (checked once per device: the stream operations on a
     page-locked word run, and a CUDA graph captures and replays them), else why not."""
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
+    idx = cuda_index(device)
     if idx in _BELLS:
         return _BELLS[idx]
     from .cuda_driver import WAIT_EQ
@@ -154,8 +154,7 @@ def signal_mode(device: torch.device) -> str:
         raise NativeError(f"KTINJECT_HOSTJOB_SIGNAL={want!r} is not one of {', '.join(SIGNALS)}")
     if want == "hostfn":
         return "hostfn"
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
+    idx = cuda_index(device)
     if idx not in _BELLS and torch.cuda.is_current_stream_capturing():
         return "hostfn"                    # no self-test inside someone's capture (it captures too)
     why = bells_usable(device)
@@ -174,8 +173,7 @@ class HostJob:
         H = kernel.hidden
         self.T, self.k, self.hidden, self.device = T, k, H, device
         self.serial = next(_SERIALS)              # tells a new job from an old one at the same address
-        self._index = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
+        self._index = cuda_index(device) if device.type == "cuda" else None
         self.x = torch.empty(T, H, dtype=torch.float32, pin_memory=True)
         self.ids = torch.empty(T, k, dtype=torch.int64, pin_memory=True)
         self.w = torch.empty(T, k, dtype=torch.float32, pin_memory=True)

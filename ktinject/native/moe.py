@@ -14,8 +14,6 @@ import torch
 from ..errors import NativeError
 from . import Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
 
-KTK_ERANGE = -2   # ktk.h: an expert id out of range
-
 
 @dataclass(frozen=True)
 class ExpertMatrix:
@@ -118,7 +116,7 @@ class MoEKernel:
         T, k = ids.shape
         rc = lib.ktk_moe_submit(self._ptr, self.pool.ptr, self.isa, T, max(k, 1), _ptr(ffi, x, "float *"),
                                 _ptr(ffi, ids, "int64_t *"), _ptr(ffi, w, "float *"), _ptr(ffi, out, "float *"))
-        if rc == KTK_ERANGE:   # the C side checks every id; the message names the first bad one
+        if rc == lib.KTK_ERANGE:   # the C side checks every id; the message names the first bad one
             bad = ids[(ids < 0) | (ids >= self.n_experts)][0]
             raise NativeError(f"top_k_index: expert id {int(bad)} out of range [0, {self.n_experts})")
         check(rc, "MoE submit")

@@ -70,12 +70,11 @@ def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor
     import gguf
 
     from ..weights.kquant import quantize_rows
-    block = 256 if quant.endswith("_k") else 32
-    if quant not in ("bf16", "f32") and w.shape[-1] % block:
-        raise UnsupportedQuantError(f"cannot store as {quant}: rows of {w.shape[-1]} values are not a multiple of "
-                                    f"{block}; choose quant=bf16 or q8_0", tensor=name)
     qt = gguf.GGMLQuantizationType(NATIVE_TYPES[quant])
-    return NATIVE_TYPES[quant], quantize_rows(w.detach().to("cpu"), qt)
+    try:
+        return NATIVE_TYPES[quant], quantize_rows(w.detach().to("cpu"), qt)
+    except ValueError as exc:      # rows not whole blocks, NaN / Inf, past the fp16 block scale
+        raise UnsupportedQuantError(f"cannot store as {quant}: {exc}; choose quant=bf16 or q8_0", tensor=name) from None
 
 
 _WARNED = False                          # the stream-ordered path's unavailability was reported
@@ -180,11 +179,16 @@ class CpuExperts(Operator):
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
         self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa)
         if self._jobs and torch.cuda.is_available():   # queued host functions may still use the old jobs
-            for dev in {k[0] for k in self._jobs if isinstance(k, tuple) and isinstance(k[0], torch.device)}:
+            for dev in {key[0] for key in self._jobs}:
                 torch.cuda.synchronize(dev)
         self._jobs.clear()                    # stream-ordered jobs were bound to the previous kernel
         self._loaded_prefix = prefix
         return keys
+
+    def decode_job_serials(self) -> list[int]:
+        """The serials of the stream-ordered jobs of one-token steps (what a captured decode graph
+        calls into; a new job, even at a recycled address, has a new serial)."""
+        return [job.serial for (_, tokens, _), job in self._jobs.items() if tokens == 1]
 
     # ---------------------------------------------------------------- compute
 

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 QUANTS = {q: (NATIVE_TYPES[q], {**CONVERT_BITS, "f16": 16.0}[q])
           for q in ("q8_0", "q4_k", "q6_k", "bf16", "f16", "f32")}
 _FLOAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-_ELEMENT = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}   # GGML float types -> torch dtype
+_ELEMENT = {NATIVE_TYPES[name]: dtype for dtype, name in _FLOAT.items()}   # GGML float types -> torch dtype
 ELEMENT_GEMV_MAX = 8        # float weights: the native dots beat torch only up to here (2 AVX2 cores)
 _SCRATCH = threading.local()  # one dequantization buffer per thread, shared by the layers
 
@@ -118,7 +118,10 @@ class CpuLinear(Operator):
                 log.info("%s: %s stored as %s (%d inputs)", key,
                          t.type_name if isinstance(t, GGMLTensor) else wanted[0], quant, self.in_features)
             self.ggml_type = QUANTS[quant][0]
-            data = quantize_rows(dense, QT(self.ggml_type))
+            try:
+                data = quantize_rows(dense, QT(self.ggml_type))
+            except ValueError as exc:          # NaN / Inf, or past the type's fp16 block scale
+                raise LoadError(f"{key}: cannot be stored as {quant}: {exc}") from None
         if data.shape[1] != native.row_bytes_or_none(self.ggml_type, self.in_features):
             raise LoadError("tensor rows do not hold whole blocks of their type",
                             mismatched=[f"{key} ({self.in_features} values per row, {data.shape[1]} bytes)"])
@@ -129,6 +132,11 @@ class CpuLinear(Operator):
             keys.add(prefix + "bias")
             self.bias = fetch_dense(source, prefix + "bias", (self.out_features,), torch.float32, torch.device("cpu"))
         self._pool = native.default_pool(self.options.threads)
+        self._isa = native.isa_index()                    # resolved once: forward runs per token
+        element = _ELEMENT.get(self.ggml_type)
+        self._element = element
+        self._gemv_limit = min(self.options.gemv_max_tokens, ELEMENT_GEMV_MAX) if element is not None \
+            else self.options.gemv_max_tokens
         return keys
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,12 +147,9 @@ class CpuLinear(Operator):
                              f"{self.in_features}")
         x2 = x.detach().reshape(-1, self.in_features).to("cpu", torch.float32).contiguous()
         T = x2.shape[0]
-        element = _ELEMENT.get(self.ggml_type)
-        limit = min(self.options.gemv_max_tokens, ELEMENT_GEMV_MAX) if element is not None else \
-            self.options.gemv_max_tokens
-        if T <= limit:
-            y = native.linear(self._pool, self.ggml_type, self.qweight, self.in_features, x2)
-        elif element == torch.float32:           # the rows are float32 already
+        if T <= self._gemv_limit:            # the weight was checked at load (and C checks again)
+            y = native.linear_checked_rows(self._pool, self._isa, self.ggml_type, self.qweight, self.in_features, x2)
+        elif self._element == torch.float32:     # the rows are float32 already
             y = x2 @ self.qweight.view(torch.float32).view(self.out_features, self.in_features).T
         else:
             y = torch.empty(T, self.out_features, dtype=torch.float32)

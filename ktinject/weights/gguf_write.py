@@ -95,48 +95,15 @@ def choose_type(r: Recipe, name: str, shape: tuple[int, ...], n_layers: int) -> 
 # ---------------------------------------------------------------- encoding
 
 def encode(values: torch.Tensor, qt: QT) -> np.ndarray:
-    """Float values (torch order) -> what the gguf writer stores: float arrays or uint8 block rows."""
-    import gguf.quants as gq
+    """Float values (torch order) -> what the gguf writer stores: float arrays, or uint8 rows of
+    BF16 bytes or blocks (kquant.quantize_rows, the one converter)."""
     values = values.detach().to("cpu", torch.float32).contiguous()
     if qt == QT.F32:
         return values.numpy()
     if qt == QT.F16:
         return values.to(torch.float16).numpy()
-    if qt == QT.BF16:
-        return values.to(torch.bfloat16).view(torch.uint8).numpy()          # [..., 2n] bytes
-    if qt.name in kquant.QUANTIZERS:
-        blocks = kquant.QUANTIZERS[qt.name](values.reshape(-1, 256))
-        return blocks.reshape(*values.shape[:-1], -1).numpy()
-    native = kquant.legacy_quantizer(qt.name)            # Q4_0 / Q5_0 / Q8_0 in C, the package's bytes
-    if native is not None:
-        return native(values).numpy()                    # (it refuses NaN / Inf and fp16 overflow itself)
-    if values.numel() and not torch.isfinite(values).all():
-        raise ValueError("values to quantize are not all finite (NaN or Inf)")
-    limit = _FP16_MAX * _LEGACY_QMAX.get(qt.name, 1)
-    if values.numel() and float(values.abs().max()) > limit:
-        raise ValueError(f"values up to {float(values.abs().max()):.3g} are too large for {qt.name} "
-                         f"(its fp16 block scale holds |x| <= {limit:.3g})")
-    return _rows_in_parallel(values.numpy(), lambda rows: gq.quantize(rows, qt))
-
-
-_FP16_MAX = 65504.0
-_LEGACY_QMAX = {"Q4_0": 8, "Q4_1": 7.5, "Q5_0": 16, "Q5_1": 15.5, "Q8_0": 127}   # |x| / d at most (x_1: d = range / 2^b-1)
-
-
-def _rows_in_parallel(values: np.ndarray, fn, workers: Optional[int] = None) -> np.ndarray:
-    """fn over groups of rows of `values` (last dim kept) on a thread pool, concatenated: the same
-    bytes as fn(values) for a row-wise encoder such as gguf's numpy quantizers, which release the
-    GIL inside numpy and ran on one core otherwise (Q8_0 / Q5_0 / Q4_0 tensors)."""
-    from concurrent.futures import ThreadPoolExecutor
-    rows = values.reshape(-1, values.shape[-1])
-    workers = workers or max(1, torch.get_num_threads())
-    step = max(64, -(-rows.shape[0] // (8 * workers)))
-    if workers <= 1 or rows.shape[0] <= step:
-        return fn(values)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        parts = list(pool.map(lambda i: fn(rows[i:i + step]), range(0, rows.shape[0], step)))
-    out = np.concatenate(parts)
-    return out.reshape(*values.shape[:-1], out.shape[-1])
+    rows = kquant.quantize_rows(values.reshape(-1, values.shape[-1]), qt)
+    return rows.reshape(*values.shape[:-1], -1).numpy()
 
 
 def nbytes_of(shape: tuple[int, ...], qt: QT) -> int:

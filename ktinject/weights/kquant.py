@@ -20,6 +20,9 @@ evaluated at once as tensors, so torch spreads the work over its threads.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
 
 QK_K = 256
@@ -305,7 +308,7 @@ def native_blocks(name: str, x: torch.Tensor) -> torch.Tensor:
     def one(i: int) -> None:
         j = min(n, i + step)
         rc = fn(qtype, ffi.cast("float *", x[i:j].data_ptr()), j - i, ffi.cast("uint8_t *", out[i:j].data_ptr()))
-        if rc == -2:                                                         # KTK_ERANGE
+        if rc == lib.KTK_ERANGE:
             raise ValueError("values to quantize are not all finite, or too large for the format "
                              "(a scale overflows fp16)")
         if rc:
@@ -341,11 +344,32 @@ def legacy_quantizer(name: str):
 QUANTIZERS = {name: _native(name) for name in TORCH_QUANTIZERS}
 
 
+_FP16_MAX = 65504.0
+_LEGACY_QMAX = {"Q4_0": 8, "Q4_1": 7.5, "Q5_0": 16, "Q5_1": 15.5, "Q8_0": 127}   # |x| / d at most (x_1: d = range / 2^b-1)
+
+
+def _rows_in_parallel(values: np.ndarray, fn, workers: Optional[int] = None) -> np.ndarray:
+    """fn over groups of rows of `values` (last dim kept) on a thread pool, concatenated: the same
+    bytes as fn(values) for a row-wise encoder such as gguf's numpy quantizers, which release the
+    GIL inside numpy and ran on one core otherwise (Q8_0 / Q5_0 / Q4_0 tensors)."""
+    from concurrent.futures import ThreadPoolExecutor
+    rows = values.reshape(-1, values.shape[-1])
+    workers = workers or max(1, torch.get_num_threads())
+    step = max(64, -(-rows.shape[0] // (8 * workers)))
+    if workers <= 1 or rows.shape[0] <= step:
+        return fn(values)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        parts = list(pool.map(lambda i: fn(rows[i:i + step]), range(0, rows.shape[0], step)))
+    out = np.concatenate(parts)
+    return out.reshape(*values.shape[:-1], out.shape[-1])
+
+
 def quantize_rows(w: torch.Tensor, qt) -> torch.Tensor:
     """Dense [rows, n] -> uint8 [rows, row_bytes] GGML rows of type `qt` (a gguf
     GGMLQuantizationType): F32 / F16 / BF16 as the values themselves; the K-quants through
     `QUANTIZERS`; Q4_0 / Q5_0 / Q8_0 native where built (the bytes gguf-py writes); IQ4_XS through
-    `quantize_iq4_xs`; other types through gguf-py. A ValueError when rows are not whole blocks."""
+    `quantize_iq4_xs`; other types through gguf-py (over threads, refusing NaN / Inf and values past
+    the block's fp16 scale). A ValueError when rows are not whole blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
     floats = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
     w = w.detach().to(torch.float32).contiguous()
@@ -361,8 +385,14 @@ def quantize_rows(w: torch.Tensor, qt) -> torch.Tensor:
     elif legacy_quantizer(qt.name) is not None:
         data = legacy_quantizer(qt.name)(w)
     else:
-        import gguf
-        data = torch.from_numpy(gguf.quants.quantize(w.numpy(), qt))
+        import gguf.quants as gq
+        if w.numel() and not torch.isfinite(w).all():
+            raise ValueError("values to quantize are not all finite (NaN or Inf)")
+        limit = _FP16_MAX * _LEGACY_QMAX.get(qt.name, 1)
+        if w.numel() and float(w.abs().max()) > limit:
+            raise ValueError(f"values up to {float(w.abs().max()):.3g} are too large for {qt.name} "
+                             f"(its fp16 block scale holds |x| <= {limit:.3g})")
+        data = torch.from_numpy(_rows_in_parallel(w.numpy(), lambda rows: gq.quantize(rows, qt)))
     return data.reshape(w.shape[0], -1).contiguous()
 
 
