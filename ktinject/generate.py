@@ -203,12 +203,20 @@ def _rewind(cache: Any, length: int) -> None:
 
 
 def _make_cache(model, length: int, batch: int, device: torch.device, static: bool):
+    """The transformers cache of a generation. A static one is marked
+    `ktinject_explicit_positions`: the engine passes every position and rewinds the cache's own
+    length itself, so operators with caches of their own (`mla_attention`) may skip their
+    one-value-per-token bookkeeping entries in it at decode (~5 kernels per layer and token).
+    (Running without a transformers cache would spare them too, but then transformers 5 checks
+    the positions for packed sequences, a host sync that breaks CUDA-graph capture.)"""
     from transformers import DynamicCache, StaticCache
     for mod in _own_caches(model):
         mod.reserve(batch, length)
     if static:
         try:
-            return StaticCache(config=model.config, max_cache_len=length), "static"
+            cache = StaticCache(config=model.config, max_cache_len=length)
+            cache.ktinject_explicit_positions = True   # see _make_cache's docstring
+            return cache, "static"
         except Exception as exc:           # an architecture transformers cannot size statically
             log.warning("static cache unavailable (%s); using a dynamic cache", exc)
     return DynamicCache(config=model.config), "dynamic"

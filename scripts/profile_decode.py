@@ -245,6 +245,9 @@ def torch_profile(model, tok, prompt, tokens=16):
               f"kernels per step")
         for e in sorted(rows, key=dev, reverse=True)[:25]:
             print(f"  {dev(e) / 1e3 / n:7.3f} ms/step {e.count / n:6.1f}x  {e.key[:110]}")
+        print("  by launches per step:")
+        for e in sorted(rows, key=lambda e: e.count, reverse=True)[:40]:
+            print(f"  {e.count / n:6.1f}x {dev(e) / 1e3 / n:7.3f} ms/step  {e.key[:110]}")
 
 
 if __name__ == "__main__":

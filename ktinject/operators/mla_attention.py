@@ -35,6 +35,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .base import BuildContext, Operator
+from .kernels import triton_available
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ _CHILDREN = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_
 class MLAOptions:
     absorb_max_tokens: int = 1      # chunks of at most this many query tokens use the absorbed path
     grow_step: int = 1024           # eager cache growth granularity (tokens)
+    fused_decode: bool = True       # one-token steps on CUDA: rope, cache write and attention in Triton
 
     def __post_init__(self):
         if self.absorb_max_tokens < 0:
@@ -213,6 +215,9 @@ class MLAAttention(Operator):
         q_nope, q_pe = q[..., :dn], q[..., dn:]
         ckv = self.kv_a_proj_with_mqa(hidden_states)                          # [B, S, R+r]
         latent = self.kv_a_layernorm(ckv[..., :r])                            # [B, S, R]
+        rope = self._fused_rope(hidden_states, slen, hf_cache, position_embeddings)
+        if rope is not None:
+            return self._fused_decode(q, ckv, latent, rope, hf_cache, kwargs), None
         k_pe = ckv[..., r:].unsqueeze(2)                                      # [B, S, 1, r]
         q_pe = apply_rope(q_pe, position_embeddings, self.rope_interleave)
         k_pe = apply_rope(k_pe, position_embeddings, self.rope_interleave).squeeze(2)
@@ -250,6 +255,66 @@ class MLAAttention(Operator):
         else:
             out = self._expanded_attention(q_nope, q_pe, kv_all, None if self_causal else mask)
         return self.o_proj(out.reshape(bsz, slen, h * dv)), None
+
+    def _fused_rope(self, x: torch.Tensor, slen: int, hf_cache: Any, pe: Any) -> Optional[tuple]:
+        """(mode, a, b) for the fused Triton decode step when it applies: one query token per
+        sequence on CUDA with a cache to attend over, Triton installed, a rope form it knows; else None."""
+        if not (self.options.fused_decode and slen == 1 and slen <= self.options.absorb_max_tokens
+                and self._fused_device(x)
+                and (hf_cache is not None or self.kv_cache is not None) and triton_available()
+                and self._compute_dtype() in (torch.bfloat16, torch.float16, torch.float32)):
+            return None
+        from .kernels.mla_triton import ROPE_COMPLEX, ROPE_HALF, ROPE_INTERLEAVED
+        if isinstance(pe, torch.Tensor) and pe.is_complex() and pe.dim() == 3 and pe.dtype == torch.complex64:
+            a = torch.view_as_real(pe)[:, 0].flatten(1)                       # [B or 1, r] (cos, sin) pairs
+            return ROPE_COMPLEX, a, a
+        if isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 3
+                                                                     for t in pe):
+            a, b = pe[0][:, 0], pe[1][:, 0]                                   # [B or 1, r]
+            if a.stride() == b.stride() and a.stride(-1) == 1 and a.shape == b.shape:
+                return (ROPE_INTERLEAVED if self.rope_interleave else ROPE_HALF), a, b
+        return None
+
+    @staticmethod
+    def _fused_device(x: torch.Tensor) -> bool:   # the tests run the kernels on the CPU in Triton's interpreter
+        return x.is_cuda
+
+    def _fused_decode(self, q: torch.Tensor, ckv: torch.Tensor, latent: torch.Tensor, rope: tuple,
+                      hf_cache: Any, kwargs) -> torch.Tensor:
+        """The absorbed one-token step in three kernels (W_UK bmm, split attention, combine + W_UV),
+        see kernels/mla_triton.py; the same math as `_absorbed_attention` after the rope."""
+        from .kernels.mla_triton import mla_decode
+        bsz = q.shape[0]
+        h, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        pos = self._positions(kwargs, hf_cache, bsz, 1, q.device)             # [B, 1]
+        if self._bookkeeping(hf_cache):
+            stub = self._stub(bsz, 1, latent)
+            hf_cache.update(stub, stub, self.layer_idx)
+        static = self.reserved and self.kv_cache is not None and self.kv_cache.shape[0] >= bsz
+        if not static:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise ModelError(f"layer {self.layer_idx}: MLA cache must be reserve()d before CUDA-graph capture")
+            self._ensure_capacity(bsz, int(pos.max()) + 1, latent.new_empty(1, 1, r + self.qk_rope_head_dim))
+        self.cache_writes += 1            # counted where Python runs (not in graph replays): see generate._cache_writes
+        w_uk, w_uv = self._absorbed_weights()
+        q_nope = q[:, 0, :, :dn].transpose(0, 1)                              # [H, B, dn]
+        q_lat = torch.bmm(q_nope.to(w_uk.dtype), w_uk)                        # [H, B, R]
+        mode, a, b = rope
+        out = mla_decode(q_lat, q[:, 0, :, dn:], latent[:, 0], ckv[:, 0, r:], mode, a, b, pos[:, 0],
+                         self.kv_cache, self.scaling, w_uv)                   # [B, H * dv]
+        return self.o_proj(out.view(bsz, 1, h * self.v_head_dim))
+
+    def _bookkeeping(self, hf_cache: Any) -> bool:
+        """Whether a one-token step stores its bookkeeping entry in transformers' cache: always,
+        except in a cache the generation engine marked `ktinject_explicit_positions` (it passes
+        every position and keeps the cache's length itself) once this layer's entry exists."""
+        if hf_cache is None:
+            return False
+        if not getattr(hf_cache, "ktinject_explicit_positions", False):
+            return True
+        layers = getattr(hf_cache, "layers", None)
+        layer = layers[self.layer_idx] if isinstance(layers, (list, tuple)) and self.layer_idx < len(layers) else None
+        return not getattr(layer, "is_initialized", False)
 
     @staticmethod
     def _stub(bsz: int, slen: int, like: torch.Tensor) -> torch.Tensor:
@@ -300,7 +365,8 @@ class MLAAttention(Operator):
 
     def extra_repr(self) -> str:
         return (f"op=mla_attention, layer={self.layer_idx}, heads={self.num_heads}, latent={self.kv_lora_rank}"
-                f"+{self.qk_rope_head_dim}, decode=absorbed (q_len <= {self.options.absorb_max_tokens}), "
+                f"+{self.qk_rope_head_dim}, decode=absorbed (q_len <= {self.options.absorb_max_tokens}"
+                f"{'; one token on CUDA: fused Triton' if self.options.fused_decode else ''}), "
                 f"prefill=expanded SDPA, cache={self.cache_bytes} bytes")
 
 

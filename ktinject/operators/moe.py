@@ -9,6 +9,12 @@ block's `experts` child was not replaced by its own rule, the `moe` operator bui
 `cpu_experts` for it from its own kwargs.
 
 Shared experts differ per family; they are a table (class name -> function), not an if-chain.
+
+On CUDA with Triton two fused paths cut the kernels of a decode step, which is launch-bound
+(options `fused_router`, `fused_shared`): a softmax top-k router (DeepSeek-V2 greedy, Qwen2/3-MoE,
+Mixtral) runs as two Triton kernels instead of about six (`kernels/router_triton.py`), and the
+shared SiLU MLP as a gate_up GEMM, one `silu_mul` kernel and down_proj: three instead of five
+(`kernels/mlp_triton.py`). Other routers and MLPs, and CPU tensors, run their own forward.
 """
 from __future__ import annotations
 
@@ -21,28 +27,32 @@ from torch import nn
 from ..errors import ModelError
 from .base import BuildContext, Operator, module_matches
 from .cpu_experts import CONVERT_BITS, CpuExperts, CpuExpertsOptions
+from .kernels import triton_available
+from .kernels.mlp_triton import fusable_mlp, fuse_gate_up, fused_mlp, gate_up_views
+from .kernels.router_triton import FLOAT_DTYPES, RouterSpec, fused_route, router_spec
 from .registry import register
 
 
-def _shared_deepseek(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return block.shared_experts(h)                                            # [T, H]
+def _shared_deepseek(block: "OverlappedMoe", h: torch.Tensor) -> torch.Tensor:
+    return block.shared_mlp(h)                                                # [T, H]
 
 
-def _shared_qwen2(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _shared_qwen2(block: "OverlappedMoe", h: torch.Tensor) -> torch.Tensor:
     # sigmoid(shared_expert_gate(h)): [T, 1] scales shared_expert(h): [T, H]
-    return torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
+    return torch.sigmoid(block.shared_expert_gate(h)) * block.shared_mlp(h)
 
 
 @dataclass(frozen=True)
 class Family:
     shared: tuple[str, ...]                                      # child modules holding shared experts
     shared_fn: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]]
+    mlp: Optional[str] = None                                    # the child that is the shared SiLU MLP
 
 
 FAMILIES: dict[str, Family] = {
-    "DeepseekV2Moe": Family(("shared_experts",), _shared_deepseek),
-    "DeepseekV3MoE": Family(("shared_experts",), _shared_deepseek),
-    "Qwen2MoeSparseMoeBlock": Family(("shared_expert", "shared_expert_gate"), _shared_qwen2),
+    "DeepseekV2Moe": Family(("shared_experts",), _shared_deepseek, "shared_experts"),
+    "DeepseekV3MoE": Family(("shared_experts",), _shared_deepseek, "shared_experts"),
+    "Qwen2MoeSparseMoeBlock": Family(("shared_expert", "shared_expert_gate"), _shared_qwen2, "shared_expert"),
     "Qwen3MoeSparseMoeBlock": Family((), None),
     "MixtralSparseMoeBlock": Family((), None),
 }
@@ -55,6 +65,9 @@ class MoeOptions:
     quant: str = "bf16"
     isa: Optional[str] = None
     convert_unsupported: bool = False
+    # CUDA with Triton: softmax top-k routers in 2 kernels (~6 otherwise); the shared SiLU MLP in 3 (5)
+    fused_router: bool = True
+    fused_shared: bool = True
 
     def __post_init__(self):
         CpuExpertsOptions(self.threads, self.quant, self.isa, self.convert_unsupported)   # validates
@@ -76,14 +89,17 @@ class OverlappedMoe(Operator):
     summary = "MoE block: routed experts async on the CPU, shared experts meanwhile on the block's device"
 
     def __init__(self, original: nn.Module, experts: nn.Module, family: Family, device: torch.device,
-                 dtype: Optional[torch.dtype], name: str):
+                 dtype: Optional[torch.dtype], name: str, options: Optional[MoeOptions] = None):
         super().__init__()
         self.family, self.device, self.dtype, self.name = family, device, dtype, name
+        self.options = options or MoeOptions()
         self.hidden = int(original.gate.weight.shape[-1])
         self.gate = original.gate
         self.experts = experts
         for child in family.shared:
             setattr(self, child, getattr(original, child))
+        self._router: tuple = (None, None)               # (the gate weight it was read off, its RouterSpec)
+        self._gate_up: Optional[torch.Tensor] = None       # the shared MLP's [2I, D] (see _fused_gate_up)
 
     @classmethod
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
@@ -98,7 +114,7 @@ class OverlappedMoe(Operator):
             sub = BuildContext(f"{ctx.name}.experts", cpu, cpu, cpu, None, ctx.config,
                                CpuExpertsOptions(opts.threads, opts.quant, opts.isa, opts.convert_unsupported))
             experts = CpuExperts.build(experts, sub)
-        return cls(original, experts, family, ctx.device, ctx.dtype, ctx.name)
+        return cls(original, experts, family, ctx.device, ctx.dtype, ctx.name, ctx.options or MoeOptions())
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
@@ -122,12 +138,25 @@ class OverlappedMoe(Operator):
                 used |= load_dense_tree(child, f"{prefix}{name}.", source, self.device, self.dtype, recurse=True)
             else:   # already placed by its own plan entry
                 used |= {f"{prefix}{name}.{k}" for k in child.state_dict()}
+        self.prepare_fused()
         return used
+
+    def prepare_fused(self) -> None:
+        """Set up the fused paths where the weights already are on CUDA: read the router's spec and
+        concatenate the shared MLP's gate/up weights. Run at the end of `load_weights`, and else at
+        the first eager CUDA forward; either comes before a CUDA graph capture, which must not
+        allocate weights."""
+        self._router_spec()
+        mlp = getattr(self, self.family.mlp) if self.family.mlp else None
+        if (mlp is not None and self.options.fused_shared and triton_available()
+                and not gate_up_views(mlp, self._gate_up) and fusable_mlp(mlp) is None
+                and mlp.gate_proj.weight.is_cuda):
+            self._gate_up = fuse_gate_up(mlp)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         orig_shape = hidden_states.shape
         h = hidden_states.reshape(-1, self.hidden)                            # [T, H]
-        _, top_k_weights, top_k_index = self.gate(h)                          # [T, k], [T, k]
+        top_k_weights, top_k_index = self.route(h)                             # [T, k], [T, k]
         first = self._shared_first(h)
         shared = self.family.shared_fn(self, h) if first else None
         self.experts.submit(h, top_k_index, top_k_weights)                     # CPU starts now
@@ -151,5 +180,51 @@ class OverlappedMoe(Operator):
                                     for m in getattr(self, c).modules())
         return self._shared_pool
 
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights, expert ids) of h [T, H]: the fused kernels when they apply, else the router."""
+        spec = self._fused_router(h)
+        if spec is not None:
+            return fused_route(h, spec, f"{self.name or 'moe'}.gate")
+        _, top_k_weights, top_k_index = self.gate(h)
+        return top_k_weights, top_k_index
+
+    def shared_mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared SiLU MLP of h [T, H]: gate_up GEMM + silu_mul + down_proj when fused, else its forward."""
+        mlp = getattr(self, self.family.mlp)
+        gate_up = self._fused_gate_up(mlp, h)
+        return mlp(h) if gate_up is None else fused_mlp(mlp, gate_up, h)
+
+    def _fused_router(self, h: torch.Tensor) -> Optional[RouterSpec]:
+        if not (self.options.fused_router and h.is_cuda and h.dtype in FLOAT_DTYPES and triton_available()):
+            return None
+        spec = self._router_spec()
+        return spec if spec is not None and spec.weight.device == h.device else None
+
+    def _router_spec(self) -> Optional[RouterSpec]:
+        if self._router[0] is not self.gate.weight:     # not read yet, or the router was reloaded
+            self._router = (self.gate.weight, router_spec(self.gate))
+        return self._router[1]
+
+    def _fused_gate_up(self, mlp: nn.Module, h: torch.Tensor) -> Optional[torch.Tensor]:
+        if not (self.options.fused_shared and h.is_cuda and triton_available()):
+            return None
+        if not gate_up_views(mlp, self._gate_up):       # not fused yet, or the weights were moved since
+            if torch.cuda.is_current_stream_capturing():
+                return None                             # no weights allocated in a graph: the module's forward
+            self._gate_up = fuse_gate_up(mlp, h.device)
+        gate_up = self._gate_up
+        return gate_up if gate_up is not None and gate_up.device == h.device and gate_up.dtype == h.dtype else None
+
+    def fused_paths(self) -> dict[str, bool]:
+        """Which fused paths a CUDA forward takes, by the weights as they are now."""
+        triton = triton_available()
+        router = self._router_spec()
+        mlp = getattr(self, self.family.mlp) if self.family.mlp else None
+        return {"router": bool(triton and self.options.fused_router and router is not None and router.weight.is_cuda),
+                "shared": bool(triton and self.options.fused_shared and mlp is not None and fusable_mlp(mlp) is None
+                               and mlp.gate_proj.weight.is_cuda)}
+
     def extra_repr(self) -> str:
-        return f"op=moe, shared={list(self.family.shared) or 'none'}"
+        fused = self.fused_paths()
+        return (f"op=moe, shared={list(self.family.shared) or 'none'}, "
+                f"fused_router={fused['router']}, fused_shared={fused['shared']}")
