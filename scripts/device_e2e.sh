@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -83,6 +83,21 @@ if [[ $steps == *" convert "* ]]; then   # ktinject convert of a real-shape rand
 n=sum(math.prod(s.get_slice(k).get_shape()) for f in glob.glob('/tmp/v2lite-hf/*.safetensors') for s in [safe_open(f,'pt')] for k in s.keys())
 print(f'{n/1e9:.2f} B parameters')" | tee -a "$OUT/convert.txt"
   rm -rf /tmp/v2lite-hf /tmp/v2lite-conv.gguf
+fi
+if [[ $steps == *" ab "* ]]; then   # decode A/B in one process series, alternating (this host's noise is +-10-30%):
+  # host functions vs doorbells, and the fused GPU paths vs scripts/rules/unfused.yaml (AB_ROUNDS rounds)
+  [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
+  for i in $(seq ${AB_ROUNDS:-3}); do
+    for cfg in "KTINJECT_HOSTJOB_SIGNAL=hostfn deepseek-v2" "KTINJECT_HOSTJOB_SIGNAL=bell deepseek-v2" \
+               "KTINJECT_HOSTJOB_SIGNAL=hostfn scripts/rules/unfused.yaml deepseek-v2"; do
+      set -- $cfg; env=$1; shift
+      env $env timeout -s KILL 120 python3 -m ktinject bench /tmp/v2lite.gguf --rules "$@" --json --prompt-lengths 128 \
+        --decode-tokens 64 --repeat 2 --probe-gib 2 2>/dev/null | python3 -c "import sys, json; r = json.loads(sys.stdin.read())
+print('$env $*', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode', 'cpu_bandwidth_gbps', 'fraction')})" \
+        | tee -a "$OUT/ab.txt"
+    done
+  done
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
   timeout 120 python3 -c "from ktinject.operators.streamed_experts import bench_layer as b; [print(r) for r in b()]" \
