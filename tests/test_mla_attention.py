@@ -167,6 +167,20 @@ with torch.no_grad():
         assert err(full[:, t], lb[:, 0]) < 2e-4, (t, err(full[:, t], lb[:, 0]))
 n_layers = ref.config.num_hidden_layers
 assert len(calls) == 4 * 4 * n_layers + 35 * n_layers, len(calls)
+# a position outside the cache writes nothing and gives NaN rows (the other sequence is unharmed)
+attn = ours.model.layers[0].self_attn
+H, R, r = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
+w_uk, w_uv = attn._absorbed_weights()
+cache = torch.randn(2, 40, R + r)
+before = cache.clone()
+g = torch.Generator().manual_seed(9)
+freqs = torch.view_as_real(torch.polar(torch.ones(2, r // 2), torch.rand(2, r // 2, generator=g))).flatten(1)
+out = real(torch.randn(H, 2, R, generator=g), torch.randn(2, H, r, generator=g), torch.randn(2, R, generator=g),
+           torch.randn(2, r, generator=g), mla_triton.ROPE_COMPLEX, freqs, freqs, torch.tensor([40, 7]), cache,
+           0.1, w_uv)
+assert torch.isnan(out[0]).all() and not torch.isnan(out[1]).any()
+changed = (cache != before).any(-1)
+assert changed[1].nonzero().flatten().tolist() == [7] and not changed[0].any()
 # the engine (static cache marked ktinject_explicit_positions: decode skips the bookkeeping
 # entries), chunked prefill and a one-token prompt, against a no-cache greedy reference
 from ktinject.generate import generate

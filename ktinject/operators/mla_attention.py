@@ -229,19 +229,9 @@ class MLAAttention(Operator):
             hf_cache.update(stub, stub, self.layer_idx)
         absorbed = slen <= self.options.absorb_max_tokens
         if hf_cache is not None or self.kv_cache is not None:
-            # Decode on a reserved cache keeps static shapes (CUDA-graph safe): attend over the whole
-            # buffer under the position mask. Otherwise read the length once from the positions.
-            # (on the CPU nothing is captured and reading the length costs no sync: attend over the
-            # filled part only)
-            static = absorbed and self.reserved and self.kv_cache is not None and self.kv_cache.shape[0] >= bsz \
-                and new_kv.is_cuda
-            if new_kv.is_cuda and torch.cuda.is_current_stream_capturing() and not static:
-                raise ModelError(f"layer {self.layer_idx}: MLA cache must be reserve()d before CUDA-graph capture")
-            needed = 0 if static else int(pos.max()) + 1
-            if needed:
-                self._ensure_capacity(bsz, needed, new_kv)
+            # a static step attends over the whole buffer under the position mask (see _cache_step)
+            needed = self._cache_step(bsz, pos, new_kv, static=absorbed and new_kv.is_cuda)
             kv_all = self.kv_cache[:bsz]                                      # [B, L, R+r]
-            self.cache_writes += 1            # counted where Python runs (not in graph replays): see generate._cache_writes
             kv_all.scatter_(1, pos.unsqueeze(-1).expand(-1, -1, r + dr), new_kv.to(kv_all.dtype))
             if needed:
                 kv_all = kv_all[:, :needed]
@@ -273,6 +263,10 @@ class MLAAttention(Operator):
             a, b = pe[0][:, 0], pe[1][:, 0]                                   # [B or 1, r]
             if a.stride() == b.stride() and a.stride(-1) == 1 and a.shape == b.shape:
                 return (ROPE_INTERLEAVED if self.rope_interleave else ROPE_HALF), a, b
+        if not getattr(self, "_warned_rope", False):     # correct but slow: say so once
+            self._warned_rope = True
+            log.warning("layer %s: position embeddings of type %s are not a rope form the fused decode step "
+                        "knows; one-token steps run the torch path", self.layer_idx, type(pe).__name__)
         return None
 
     @staticmethod
@@ -290,12 +284,7 @@ class MLAAttention(Operator):
         if self._bookkeeping(hf_cache):
             stub = self._stub(bsz, 1, latent)
             hf_cache.update(stub, stub, self.layer_idx)
-        static = self.reserved and self.kv_cache is not None and self.kv_cache.shape[0] >= bsz
-        if not static:
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise ModelError(f"layer {self.layer_idx}: MLA cache must be reserve()d before CUDA-graph capture")
-            self._ensure_capacity(bsz, int(pos.max()) + 1, latent.new_empty(1, 1, r + self.qk_rope_head_dim))
-        self.cache_writes += 1            # counted where Python runs (not in graph replays): see generate._cache_writes
+        self._cache_step(bsz, pos, latent.new_empty(1, 1, r + self.qk_rope_head_dim), static=True)
         w_uk, w_uv = self._absorbed_weights()
         q_nope = q[:, 0, :, :dn].transpose(0, 1)                              # [H, B, dn]
         q_lat = torch.bmm(q_nope.to(w_uk.dtype), w_uk)                        # [H, B, R]
@@ -303,6 +292,20 @@ class MLAAttention(Operator):
         out = mla_decode(q_lat, q[:, 0, :, dn:], latent[:, 0], ckv[:, 0, r:], mode, a, b, pos[:, 0],
                          self.kv_cache, self.scaling, w_uv)                   # [B, H * dv]
         return self.o_proj(out.view(bsz, 1, h * self.v_head_dim))
+
+    def _cache_step(self, bsz: int, pos: torch.Tensor, like: torch.Tensor, static: bool) -> int:
+        """Make the cache ready for a step writing at `pos` [B, S]; returns the key length to attend
+        over (0: the whole buffer). A step that may be `static` (decode on CUDA) on a reserved cache
+        keeps static shapes, CUDA-graph safe, and never reads the positions on the host; otherwise
+        the length is read once from them (on the CPU that costs no sync) and the cache grown to it."""
+        static = static and self.reserved and self.kv_cache is not None and self.kv_cache.shape[0] >= bsz
+        if like.is_cuda and torch.cuda.is_current_stream_capturing() and not static:
+            raise ModelError(f"layer {self.layer_idx}: MLA cache must be reserve()d before CUDA-graph capture")
+        needed = 0 if static else int(pos.max()) + 1
+        if needed:
+            self._ensure_capacity(bsz, needed, like)
+        self.cache_writes += 1            # counted where Python runs (not in graph replays): see generate._cache_writes
+        return needed
 
     def _bookkeeping(self, hf_cache: Any) -> bool:
         """Whether a one-token step stores its bookkeeping entry in transformers' cache: always,
@@ -366,7 +369,7 @@ class MLAAttention(Operator):
     def extra_repr(self) -> str:
         return (f"op=mla_attention, layer={self.layer_idx}, heads={self.num_heads}, latent={self.kv_lora_rank}"
                 f"+{self.qk_rope_head_dim}, decode=absorbed (q_len <= {self.options.absorb_max_tokens}"
-                f"{'; one token on CUDA: fused Triton' if self.options.fused_decode else ''}), "
+                f"{'; one token on CUDA: fused Triton' if self.options.fused_decode and triton_available() else ''}), "
                 f"prefill=expanded SDPA, cache={self.cache_bytes} bytes")
 
 

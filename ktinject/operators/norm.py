@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .base import BuildContext, Operator
-from .kernels import triton_available
+from .kernels import tl_dtype, triton_available
 from .registry import register
 
 RMS_NORM_CLASSES = ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
@@ -70,11 +70,6 @@ def _triton_kernel():
     return rms_norm_rows
 
 
-def _tl_dtype(dtype: torch.dtype):
-    import triton.language as tl
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The same math in one Triton kernel (CUDA tensors; bf16/f16/f32; rows of up to 65536)."""
     cols = x.shape[-1]
@@ -87,7 +82,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         import triton
         block = triton.next_power_of_2(cols)
         _triton_kernel()[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), cols, float(eps),
-                                            BLOCK=block, X_DTYPE=_tl_dtype(x.dtype), OUT_DTYPE=_tl_dtype(out_dtype),
+                                            BLOCK=block, X_DTYPE=tl_dtype(x.dtype), OUT_DTYPE=tl_dtype(out_dtype),
                                             num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
     return out.view(*x.shape[:-1], cols)
 

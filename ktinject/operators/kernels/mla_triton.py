@@ -79,7 +79,7 @@ def _kernels():
     @triton.jit
     def mla_decode_split(qlat_ptr, q_ptr, lat_ptr, kpe_ptr, rope_a_ptr, rope_b_ptr, pos_ptr, cache_ptr,
                          m_ptr, l_ptr, o_ptr,
-                         H, R, r, NS, CH, scale,
+                         H, R, r, L, NS, CH, scale,
                          s_qlat_h, s_qlat_b, s_q_b, s_q_h, s_lat_b, s_kpe_b, s_rope_b, s_pos_b, s_c_b, s_c_l,
                          ROPE: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
                          BL: tl.constexpr, IEEE: tl.constexpr):
@@ -111,7 +111,7 @@ def _kernels():
             m_i = tl.full((BH,), float("-inf"), tl.float32)
             l_i = tl.zeros((BH,), tl.float32)
             acc = tl.zeros((BH, BR), tl.float32)
-            end = tl.minimum(start + CH, pos)            # cached keys of this split: [start, end)
+            end = tl.minimum(tl.minimum(start + CH, pos), L)   # cached keys of this split: [start, end)
             row = cache_ptr + b * s_c_b
             for k0 in range(start, end, BL):
                 keys = k0 + tl.arange(0, BL)
@@ -128,7 +128,7 @@ def _kernels():
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + _dot(p.to(dt), c, IEEE)
                 m_i = m_new
-            if pos < start + CH:                          # this split holds the query token's own entry
+            if (pos < start + CH) & (pos < L):            # this split holds the query token's own entry
                 lat = tl.load(lat_ptr + b * s_lat_b + rr, mask=rmask, other=0.0).to(dt)      # [BR]
                 k1, k2, ka, kb = _rope(rope_a_ptr + b * s_rope_b, rope_b_ptr + b * s_rope_b, jj, r, ROPE)
                 krow = kpe_ptr + b * s_kpe_b
@@ -154,14 +154,14 @@ def _kernels():
 
     @triton.jit
     def mla_decode_combine(m_ptr, l_ptr, o_ptr, pos_ptr, wuv_ptr, out_ptr,
-                           H, R, DV, NS, CH, s_pos_b, s_out_b,
+                           H, R, DV, L, NS, CH, s_pos_b, s_out_b,
                            BR: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr):
         # merges the splits of (b, h), applies W_UV [H, DV, R]; out: [B, H * DV]
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         pos = tl.load(pos_ptr + b * s_pos_b)
-        nvalid = tl.minimum(pos // CH + 1, NS)
+        nvalid = tl.where((pos >= 0) & (pos < L), pos // CH + 1, 0)    # else no split: 0 / 0, NaN rows
         base = (b * H + h) * NS
         ss = tl.arange(0, BS)
         smask = ss < nvalid
@@ -206,7 +206,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_
     rope_a / rope_b: per sequence, [B, 2 * (r/2)] float view of freqs_cis (mode 0, rope_b unused)
     or cos / sin [B, r] (modes 1, 2); stride 0 along B broadcasts one row
     pos: [B] int64   cache: [B', L, R + r] (B' >= B)   w_uv: [H, dv, R] contiguous
-    returns [B, H * dv] in the cache's dtype.
+    returns [B, H * dv] in the cache's dtype. The positions stay on the device (no host sync): a
+    sequence whose position is outside [0, L) writes nothing and gets a row of NaN, where the
+    torch path's scatter would stop with a device-side assert.
     """
     import triton
     split, combine = _kernels()
@@ -234,13 +236,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_
     s_rope = rope_a.stride(0) if rope_a.shape[0] > 1 else 0
     split[(B, triton.cdiv(H, bh), ns)](
         q_lat, q_pe, latent, k_pe, rope_a, rope_b, pos, cache, m, l_, o,
-        H, R, r, ns, ch, float(scale),
+        H, R, r, L, ns, ch, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), latent.stride(0), k_pe.stride(0),
         s_rope, pos.stride(0), cache.stride(0), cache.stride(1),
         ROPE=rope_mode, BH=bh, BR=br, BRP=brp, BL=bl, IEEE=cache.dtype == torch.float32, num_warps=8 if br >= 256 else 4)
     out = torch.empty(B, H * dv, device=dev, dtype=cache.dtype)
     bv = min(32, triton.next_power_of_2(dv))
     combine[(B, H, triton.cdiv(dv, bv))](
-        m, l_, o, pos, w_uv, out, H, R, dv, ns, ch, pos.stride(0), out.stride(0),
+        m, l_, o, pos, w_uv, out, H, R, dv, L, ns, ch, pos.stride(0), out.stride(0),
         BR=br, BV=bv, BS=triton.next_power_of_2(ns), num_warps=4)
     return out

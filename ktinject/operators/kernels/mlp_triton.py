@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...errors import ModelError
+from . import tl_dtype
 from .router_triton import FLOAT_DTYPES, precise_math
 
 MLP_CLASSES = ("DeepseekV2MLP", "DeepseekV3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP")
@@ -55,7 +56,6 @@ def _kernel():
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[..., :I]) * x[..., I:]` for x [..., 2I] (bf16/f16/f32, last dim contiguous): one
     launch, no host synchronisation."""
-    from ..norm import _tl_dtype
     if x.shape[-1] % 2 or x.dtype not in FLOAT_DTYPES:
         raise ModelError(f"silu_mul: needs [..., 2I] bf16/f16/f32 input, got {list(x.shape)} {x.dtype}")
     I = x.shape[-1] // 2
@@ -66,7 +66,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] and I:
         import triton
         _kernel()[(rows.shape[0], triton.cdiv(I, BLOCK))](rows, out, I, rows.stride(0), out.stride(0), BLOCK=BLOCK,
-                                                         DTYPE=_tl_dtype(x.dtype), PRECISE=precise_math(),
+                                                         DTYPE=tl_dtype(x.dtype), PRECISE=precise_math(),
                                                          num_warps=4)
     return out.view(*x.shape[:-1], I)
 

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ...errors import ModelError
+from . import tl_dtype
 
 GEMV_MAX_TOKENS = 32        # more tokens: logits by cuBLAS (W read once per tile, not once per token)
 MAX_TOP_K = 16              # k rounds are unrolled in the kernel
@@ -145,7 +146,6 @@ def fused_route(h: torch.Tensor, spec: RouterSpec, name: str = "router") -> tupl
     `spec` was read from computes them (ids in descending weight). Two kernel launches, no host
     synchronisation: CUDA-graph capturable once compiled (the first call compiles)."""
     import triton
-    from ..norm import _tl_dtype
     w = spec.weight
     E, D = w.shape
     if h.dim() != 2 or h.shape[1] != D:
@@ -172,7 +172,7 @@ def fused_route(h: torch.Tensor, spec: RouterSpec, name: str = "router") -> tupl
         block_e = min(16, triton.next_power_of_2(E), triton.next_power_of_2(triton.cdiv(T * E, 128)))
         block_d = min(triton.next_power_of_2(D), max(64, 4096 // block_e))
         gemv[(T, triton.cdiv(E, block_e))](h, w, logits, E, D, h.stride(0), h.stride(1), w.stride(0), w.stride(1),
-                                           BLOCK_E=block_e, BLOCK_D=block_d, LOGIT_DTYPE=_tl_dtype(logit_dtype),
+                                           BLOCK_E=block_e, BLOCK_D=block_d, LOGIT_DTYPE=tl_dtype(logit_dtype),
                                            num_warps=4)
     elif spec.logits_fp32:                       # DeepSeek: F.linear(h.float(), W.float()), as the original
         logits = torch.nn.functional.linear(h.float(), w.float())
@@ -181,6 +181,6 @@ def fused_route(h: torch.Tensor, spec: RouterSpec, name: str = "router") -> tupl
     block = triton.next_power_of_2(E)
     topk[(T,)](logits, ids, weights, E, logits.stride(0), float(spec.scale),
                TOP_K=k, BLOCK_E=block, BLOCK_K=triton.next_power_of_2(k), RENORM=spec.renorm,
-               OUT_DTYPE=_tl_dtype(weights.dtype), PRECISE=precise_math(),
+               OUT_DTYPE=tl_dtype(weights.dtype), PRECISE=precise_math(),
                num_warps=1 if block <= 512 else 4)
     return weights, ids
