@@ -4,6 +4,9 @@ enough to stay resident in L2.
 
     python native/bench_dots.py [--rows 128] [--n 2048] [--seconds 0.5] [--isa avx2] [--quant q4_k,q8_0]
 
+The column `r16` is the R16 decode kernel (native/r16.c) on the same rows repacked, for the
+types that have that layout (GB/s of the GGUF bytes, so the columns compare time per weight).
+
 Two numbers per cell:
 * kernel: the marginal rate, (bytes(rows) - bytes(rows/8)) / (t(rows) - t(rows/8)), which cancels
   the fixed cost of a call (about 10 us of Python, cffi and activation quantization here);
@@ -23,14 +26,20 @@ from ktinject.native.synth import SUPPORTED, random_rows
 
 
 def _per_call(qt: QT, w: torch.Tensor, n: int, x: torch.Tensor, isa: str, seconds: float) -> float:
-    """Best seconds per gemv call over 5 rounds."""
-    native.gemv(int(qt), w, n, x, isa)                    # warm the caches
+    """Best seconds per gemv call over 5 rounds (R16 rows when `isa` ends in '+r16')."""
+    if isa.endswith("+r16"):
+        w = native.repack_r16(native.ExpertMatrix(int(qt), w, 1, w.shape[0], n)).data
+        x2 = x.view(1, -1)
+        call = lambda: native.r16_gemv(int(qt), w, n, x2, isa[:-4])  # noqa: E731
+    else:
+        call = lambda: native.gemv(int(qt), w, n, x, isa)  # noqa: E731
+    call()                                                # warm the caches
     best = float("inf")
     for _ in range(5):
         reps, t0 = 0, time.perf_counter()
         while True:
             for _ in range(20):
-                native.gemv(int(qt), w, n, x, isa)
+                call()
             reps += 20
             dt = time.perf_counter() - t0
             if dt >= seconds / 5:
@@ -42,7 +51,7 @@ def _per_call(qt: QT, w: torch.Tensor, n: int, x: torch.Tensor, isa: str, second
 def bench(qt: QT, isa: str, rows: int, n: int, seconds: float) -> tuple[float, float]:
     w = random_rows(qt, rows, n, seed=1)
     x = torch.randn(n)
-    small = max(4, rows // 8)
+    small = max(16, rows // 8 // 16 * 16)
     t_big = _per_call(qt, w, n, x, isa, seconds)
     t_small = _per_call(qt, w[:small].contiguous(), n, x, isa, seconds / 2)
     bytes_big, bytes_small = w.numel(), small * w.shape[1]
@@ -61,10 +70,13 @@ def main() -> None:
     torch.set_num_threads(1)
     isas = a.isa.split(",") if a.isa else [i for i in native.usable_isas() if i != "scalar"]
     quants = [QT[q.upper()] for q in a.quant.split(",")] if a.quant else list(SUPPORTED)
+    r16 = "avx512" if "avx512" in native.usable_isas() else ""
     print(f"rows {a.rows} x n {a.n}, one thread, GB/s of weight bytes: kernel (marginal) / call")  # noqa: T201
-    print("quant   " + "".join(f"{i:>18}" for i in isas))  # noqa: T201
+    print("quant   " + "".join(f"{i:>18}" for i in isas) + (f"{'r16':>18}" if r16 else ""))  # noqa: T201
     for qt in quants:
         cells = [bench(qt, i, a.rows, a.n, a.seconds) for i in isas]
+        if r16 and qt in (QT.Q4_K, QT.Q5_0, QT.Q8_0) and a.rows % 16 == 0:
+            cells.append(bench(qt, r16 + "+r16", a.rows, a.n, a.seconds))
         print(f"{qt.name:<8}" + "".join(f"{k:10.1f} /{c:6.1f}" for k, c in cells), flush=True)  # noqa: T201
 
 

@@ -75,6 +75,10 @@ typedef struct {
     const uint8_t *down;                  /* [E*H, down_rb] */
     int64_t gate_rb, up_rb, down_rb;      /* row bytes */
     int64_t gate_es, up_es, down_es;      /* bytes from one expert to the next (0: rows * row bytes) */
+    /* NULL, or the matrix repacked by ktk_r16_repack (experts back to back, ktk_r16_row_bytes per
+     * row): the decode (row-dot) path reads it, the grouped (prefill) path the GGML rows above.
+     * Gate and up both or neither, of one type. */
+    const uint8_t *gate_r16, *up_r16, *down_r16;
 } ktk_moe_desc;
 
 typedef struct ktk_moe ktk_moe;
@@ -89,6 +93,19 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
 int ktk_moe_sync(ktk_moe *m, ktk_pool *p);
 int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
                     const int64_t *ids, const float *w, float *out);
+
+/* ---- R16 layouts (r16.c): 16 rows interleaved block by block for the AVX-512 VNNI decode
+ * kernels (Q4_K, Q5_0, Q8_0; layout in r16.c). A group of 16 rows takes 16 * row_bytes bytes.
+ * repack: n_experts matrices of `rows` GGML rows (src_rb bytes each, src_es bytes from one
+ * expert's first row to the next) -> dst, experts back to back (rows % 16 == 0), over the pool
+ * (NULL: the calling thread). dequant: rows R16 rows -> dst [rows, n] f32 (GGML's values).
+ * gemv: y[t * rows + r] = dot(row r, x[t * n ...]) for t < T <= 4 (tests). */
+int ktk_r16_supported(int type);
+int64_t ktk_r16_row_bytes(int type, int64_t n);   /* -1 if unsupported or n is not a multiple of the block */
+int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                   int64_t rows, int64_t n, uint8_t *dst);
+int ktk_r16_dequant(int type, const uint8_t *w, int64_t rows, int64_t n, float *dst);
+int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, int64_t T, const float *x, float *y);
 
 /* ---- stream-ordered jobs (hostjob.c): host functions of a CUDA stream, see that file ----
  * `ktk_host_submit(job)` posts the layer to the pool and returns; `ktk_host_sync(job)` waits.

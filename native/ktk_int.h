@@ -120,6 +120,15 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp);
 
+/* R16 (r16.c): out[p * 16 + r] = dot(row r of the group at g[p], activation record xq[p]) for
+ * p < P <= KTK_R16_P (the pairs' blocks read in lockstep: P streams in flight); the AVX-512 VNNI
+ * kernels for isa >= KTK_ISA_AVX512, a scalar loop otherwise. dequant_group: the group's 16
+ * rows -> dst[r * ld + k]. KTK_R16_NT: tokens per ktk_r16_gemv call. */
+#define KTK_R16_P 16
+#define KTK_R16_NT 4
+void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out);
+void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, int64_t ld);
+
 /* pool (pool.c): a job is `nphase` phases; phase p has `items[p]` work items run by fn. */
 typedef void (*ktk_item_fn)(void *ctx, int phase, int64_t item, int tid);
 int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items);

@@ -16,7 +16,9 @@
  * ($KTINJECT_MULTIROW=0: the one-row kernels). An expert with more (prefill) takes the grouped
  * path: 32 weight rows are dequantized once into per-thread scratch and multiplied with all of
  * its tokens by the f32 GEMM micro-kernel, or written as bf16 tiles and multiplied by AMX-BF16
- * tiles on the AMX path. */
+ * tiles on the AMX path. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
+ * takes the row-dot path on that copy, several (group, token) pairs per kernel call; the grouped
+ * path always reads the GGML rows. */
 #include "ktk_int.h"
 #include <math.h>
 #include <stdlib.h>
@@ -28,7 +30,7 @@ struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
     const ktk_kernels *K;
-    int amx, tile_min, busy, prefetch, multirow;
+    int amx, isa, tile_min, busy, prefetch, multirow;
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -61,6 +63,11 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         e = KTK_EINVAL;
     else if (ktk_row_bytes(d->gate_type, d->hidden) != d->gate_rb || ktk_row_bytes(d->up_type, d->hidden) != d->up_rb ||
              ktk_row_bytes(d->down_type, d->inter) != d->down_rb)
+        e = KTK_EINVAL;
+    /* R16 copies: gate and up together and of one type, types with the layout, rows in groups of 16 */
+    if (!e && ((d->gate_r16 != NULL) != (d->up_r16 != NULL) || (d->gate_r16 && d->gate_type != d->up_type) ||
+               (d->gate_r16 && (!ktk_r16_supported(d->gate_type) || d->inter % 16 || ktk_r16_row_bytes(d->gate_type, d->hidden) < 0)) ||
+               (d->down_r16 && (!ktk_r16_supported(d->down_type) || d->hidden % 16 || ktk_r16_row_bytes(d->down_type, d->inter) < 0))))
         e = KTK_EINVAL;
     if (e) { if (err) *err = e; return NULL; }
     ktk_moe *m = calloc(1, sizeof *m);
@@ -163,6 +170,30 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         return;
     }
     size_t ab = ktk_act_bytes(H);
+    if (d->gate_r16) {   /* R16 gate and up: both groups of 16 rows of both, up to 4 tokens, in one call */
+        enum { NT = KTK_R16_P / 4 };
+        const int64_t rb = ktk_r16_row_bytes(d->gate_type, H);   /* gate and up: one type */
+        const uint8_t *g16 = d->gate_r16 + (e * I + r0) * rb, *u16 = d->up_r16 + (e * I + r0) * rb;
+        float o[16 * KTK_R16_P];
+        const uint8_t *gs[KTK_R16_P];
+        const ktk_q8 *xs[KTK_R16_P];
+        for (int64_t j0 = 0; j0 < n; j0 += NT) {
+            int nt = n - j0 < NT ? (int)(n - j0) : NT, P = 0;
+            for (int q = 0; q < RC; q += 16)            /* pair 2p: gate, 2p + 1: up */
+                for (int t = 0; t < nt; t++, P += 2) {
+                    xs[P] = xs[P + 1] = (const ktk_q8 *)(m->xq + m->tok[base + j0 + t] * ab);
+                    gs[P] = g16 + q * rb;
+                    gs[P + 1] = u16 + q * rb;
+                }
+            ktk_r16_dot(m->isa, d->gate_type, P, gs, xs, H, o);
+            for (int p = 0; p < P; p += 2) {
+                int q = p / (2 * nt) * 16, t = p / 2 % nt;
+                float *hr = m->h + (base + j0 + t) * I + r0 + q;
+                for (int r = 0; r < 16; r++) hr[r] = silu(o[16 * p + r]) * o[16 * (p + 1) + r];
+            }
+        }
+        return;
+    }
     if (!m->multirow) {   /* one row at a time, each read once and dotted with every token */
         ktk_dot_fn dg1 = m->K->dot[d->gate_type], du1 = m->K->dot[d->up_type];
         for (int r = 0; r < RC; r++, g += d->gate_rb, u += d->up_rb) {
@@ -205,6 +236,37 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
     ktk_dotn_fn dd = m->K->dotn[d->down_type];
     scratch_t s = {0, 0, 0, 0, 0, 0};
+    if (d->down_r16) {   /* R16: the (expert, token) pairs of the row-dot experts, up to KTK_R16_P per call */
+        const int64_t rb = ktk_r16_row_bytes(d->down_type, I);
+        float o[16 * KTK_R16_P], wv[KTK_R16_P];
+        const uint8_t *gs[KTK_R16_P];
+        const ktk_q8 *hs[KTK_R16_P];
+        float *dst[KTK_R16_P];
+        for (int64_t q = 0; q < rc; q += 16) {
+            int P = 0;
+            for (int64_t a = 0; a < m->nact; a++) {
+                int64_t e = m->act[a];
+                if (m->tile[e]) continue;
+                for (int64_t pos = m->off[e]; pos < m->off[e + 1]; pos++) {
+                    gs[P] = d->down_r16 + (e * H + r0 + q) * rb;
+                    hs[P] = (const ktk_q8 *)(m->hq + pos * ab);
+                    dst[P] = m->out + m->tok[pos] * H + r0 + q;
+                    wv[P++] = m->wt[pos];
+                    if (P == KTK_R16_P) {
+                        ktk_r16_dot(m->isa, d->down_type, P, gs, hs, I, o);
+                        for (int p = 0; p < P; p++)
+                            for (int r = 0; r < 16; r++) dst[p][r] += wv[p] * o[16 * p + r];
+                        P = 0;
+                    }
+                }
+            }
+            if (P) {
+                ktk_r16_dot(m->isa, d->down_type, P, gs, hs, I, o);
+                for (int p = 0; p < P; p++)
+                    for (int r = 0; r < 16; r++) dst[p][r] += wv[p] * o[16 * p + r];
+            }
+        }
+    }
     for (int64_t a = 0; a < m->nact; a++) {
         int64_t e = m->act[a], n = m->cnt[e], base = m->off[e];
         const uint8_t *rows = d->down + e * d->down_es + r0 * d->down_rb;
@@ -223,6 +285,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             }
             continue;
         }
+        if (d->down_r16) continue;   /* done above */
         if (!m->multirow) {
             ktk_dot_fn dd1 = m->K->dot[d->down_type];
             for (int r = 0; r < rc; r++, rows += d->down_rb) {
@@ -310,6 +373,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->hptr[pos] = m->h + pos * I;
     }
     m->amx = isa == KTK_ISA_AMX;
+    m->isa = isa;
     m->nact = m->ntile = m->maxcnt = m->nplain = 0;
     int64_t npad = 0;
     for (int64_t e = 0; e < E; e++) {

@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -97,6 +97,27 @@ if [[ $steps == *" ab "* ]]; then   # decode A/B in one process series, alternat
 print('$env $*', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode', 'cpu_bandwidth_gbps', 'fraction')})" \
         | tee -a "$OUT/ab.txt"
     done
+  done
+fi
+if [[ $steps == *" r16 "* ]]; then   # R16 repacked experts vs GGUF rows, alternating (KTINJECT_REPACK), R16_ROUNDS rounds
+  python3 native/bench_dots.py --rows 256 --quant q4_k,q5_0,q8_0 --isa avx512 2>&1 | tee "$OUT/r16_dots.txt"
+  for i in $(seq ${R16_ROUNDS:-2}); do
+    for rp in 0 1; do
+      KTINJECT_REPACK=$rp timeout -s KILL 150 python3 -m ktinject bench experts --quant ${R16_QUANTS:-q4_k,q8_0} --batch 1 \
+        --threads ${R16_THREADS:-16,15} --gib 3 --probe-gib 2 --seconds 2 --json 2>&1 | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith('{') else None
+    print('repack=$rp', {k: r[k] for k in ('quant', 'down_quant', 'threads', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction')} if r else l.rstrip())" \
+        | tee -a "$OUT/r16_ab.txt"
+    done
+  done
+  for rp in 0 1; do   # prefill: the grouped paths dequantize R16 groups (AMX tiles from f32 rows)
+    KTINJECT_REPACK=$rp timeout -s KILL 150 python3 -m ktinject bench experts --quant q4_k --batch 512 --threads 15 \
+      --gib 2 --probe-gib 1 --seconds 3 --json 2>&1 | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith('{') else None
+    print('prefill repack=$rp', {k: r[k] for k in ('quant', 'isa', 'threads', 'ms_per_layer', 'tflops')} if r else l.rstrip())" \
+      | tee -a "$OUT/r16_ab.txt"
   done
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from ktinject import native
 from ktinject.errors import NativeError
 
-from test_native_util import QUANTS, dequant, rand_rows, ref_moe, rel_err
+from test_native_util import QUANTS, dequant, moe_case, rand_rows, ref_moe, rel_err
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
 ISAS = native.usable_isas() if native.available() else []
@@ -92,14 +92,6 @@ def test_iq4_xs_random_bytes(isa):
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_case(qt, dqt, E=8, H=256, I=512, seed=0):
-    g, u, d = rand_rows(qt, E * I, H, seed + 1), rand_rows(qt, E * I, H, seed + 2), rand_rows(dqt, E * H, I, seed + 3)
-    mats = (native.ExpertMatrix(int(qt), g, E, I, H, "gate"), native.ExpertMatrix(int(qt), u, E, I, H, "up"),
-            native.ExpertMatrix(int(dqt), d, E, H, I, "down"))
-    dense = (dequant(qt, g, H).reshape(E, I, H), dequant(qt, u, H).reshape(E, I, H), dequant(dqt, d, I).reshape(E, H, I))
-    return mats, dense
-
-
 def _routing(T, E, k, seed=0):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices.contiguous()
@@ -125,7 +117,7 @@ def _seed():
                                                                                  "batch72-rowdot"])
 def test_moe_kernel(isa, qt, T, grouped, monkeypatch):
     monkeypatch.setenv("KTINJECT_TILE_MIN", "4" if grouped else "100000")
-    (gate, up, down), (G, U, D) = _moe_case(qt, qt)
+    (gate, up, down), (G, U, D) = moe_case(qt, qt)
     kern = native.MoEKernel(gate, up, down, threads=2, isa=isa)
     x = torch.randn(T, 256)
     ids, w = _routing(T, 8, 2, seed=T)
@@ -140,7 +132,7 @@ def test_moe_decode_one_row_kernels(isa, qt, monkeypatch):
     """$KTINJECT_MULTIROW=0 (the one-row kernels on the decode path, kept for A/B runs) agrees with
     the multi-row default and with the reference."""
     monkeypatch.setenv("KTINJECT_TILE_MIN", "100000")
-    (gate, up, down), (G, U, D) = _moe_case(qt, qt)
+    (gate, up, down), (G, U, D) = moe_case(qt, qt)
     x = torch.randn(5, 256)
     ids, w = _routing(5, 8, 2, seed=9)
     multi = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
@@ -175,7 +167,7 @@ def test_moe_mixed_types_and_fused_rows(isa):
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_thread_counts_agree(threads):
     """Results do not depend on the thread count, even oversubscribed (fixed summation order)."""
-    (gate, up, down), _ = _moe_case(QT.Q8_0, QT.Q8_0, seed=3)
+    (gate, up, down), _ = moe_case(QT.Q8_0, QT.Q8_0, seed=3)
     x = torch.randn(33, 256)
     ids, w = _routing(33, 8, 2, seed=1)
     base = native.MoEKernel(gate, up, down, threads=2)(x, ids, w)
@@ -184,7 +176,7 @@ def test_thread_counts_agree(threads):
 
 
 def test_submit_sync_matches_forward():
-    (gate, up, down), _ = _moe_case(QT.Q4_0, QT.Q4_0, seed=4)
+    (gate, up, down), _ = moe_case(QT.Q4_0, QT.Q4_0, seed=4)
     kern = native.MoEKernel(gate, up, down, threads=2)
     x = torch.randn(5, 256)
     ids, w = _routing(5, 8, 2)
@@ -199,8 +191,8 @@ def test_submit_sync_matches_forward():
 
 def test_layers_share_one_pool():
     pool = native.Pool(2)
-    (g1, u1, d1), dense1 = _moe_case(QT.Q8_0, QT.Q8_0, seed=7)
-    (g2, u2, d2), dense2 = _moe_case(QT.BF16, QT.BF16, seed=8)
+    (g1, u1, d1), dense1 = moe_case(QT.Q8_0, QT.Q8_0, seed=7)
+    (g2, u2, d2), dense2 = moe_case(QT.BF16, QT.BF16, seed=8)
     k1 = native.MoEKernel(g1, u1, d1, pool=pool)
     k2 = native.MoEKernel(g2, u2, d2, pool=pool)
     x = torch.randn(3, 256)
@@ -212,7 +204,7 @@ def test_layers_share_one_pool():
 
 
 def test_empty_batch():
-    (gate, up, down), _ = _moe_case(QT.Q8_0, QT.Q8_0)
+    (gate, up, down), _ = moe_case(QT.Q8_0, QT.Q8_0)
     kern = native.MoEKernel(gate, up, down, threads=2)
     out = kern(torch.zeros(0, 256), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
     assert out.shape == (0, 256)

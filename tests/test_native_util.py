@@ -23,6 +23,16 @@ def dequant(qt: QT, rows: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), qt)).float().reshape(-1, n)
 
 
+def moe_case(qt: QT, dqt: QT, E: int = 8, H: int = 256, I: int = 512, seed: int = 0):
+    """A routed-experts layer of random model-like blocks: the three `ExpertMatrix`es (gate, up:
+    type qt; down: dqt) and their dequantized [E, I, H], [E, I, H], [E, H, I] references."""
+    g, u, d = rand_rows(qt, E * I, H, seed + 1), rand_rows(qt, E * I, H, seed + 2), rand_rows(dqt, E * H, I, seed + 3)
+    mats = (native.ExpertMatrix(int(qt), g, E, I, H, "gate"), native.ExpertMatrix(int(qt), u, E, I, H, "up"),
+            native.ExpertMatrix(int(dqt), d, E, H, I, "down"))
+    dense = (dequant(qt, g, H).reshape(E, I, H), dequant(qt, u, H).reshape(E, I, H), dequant(dqt, d, I).reshape(E, H, I))
+    return mats, dense
+
+
 def ref_moe(x, ids, w, gate, up, down):
     """x: [T, H]; gate/up: [E, I, H]; down: [E, H, I] (float). Returns [T, H], summed in float64,
     with `.scale` [T] attached: errors are judged against the terms' size, since two experts'

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -54,6 +55,8 @@ def add_arguments(p) -> None:
                    "also the model bench's)")
     g.add_argument("--seconds", type=float, default=1.0, help="time budget per configuration (default 1 s)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
+    g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
+                   "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts")
 
 
 def run(args) -> int:
@@ -144,6 +147,8 @@ def bench_experts(args) -> int:
     if k > E or min(batches) < 1:
         raise KtInjectError("need 1 <= topk <= experts and batch >= 1")
     isa_name = native.ISAS[native.isa_index(args.isa)]
+    if args.trace:
+        os.environ["KTINJECT_POOL_TRACE"] = "1"          # read when a pool is created
     rows = []
     bw_cache: dict[int, float] = {}
     for qt in quants:
@@ -161,6 +166,8 @@ def bench_experts(args) -> int:
                 routes = [random_routing(T, E, k, seed) for seed in range(4)]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
+                if args.trace:
+                    _pool_trace(pool)                       # reset the sums
                 n_calls, t0 = 0, time.perf_counter()
                 bytes_read = 0
                 while True:
@@ -181,6 +188,8 @@ def bench_experts(args) -> int:
                        "tflops": round(flops / (ms / 1e3) / 1e12, 3), "layers": len(layers),
                        "weight_set_gib": round(len(layers) * layer_bytes / GIB, 2),
                        "shape": {"hidden": H, "inter": I, "experts": E, "topk": k}}
+                if args.trace:
+                    row["trace_us"] = _pool_trace(pool)
                 rows.append(row)
                 if args.json:
                     sys.stdout.write(json.dumps(row) + "\n")     # machine-readable: one object per line
@@ -189,6 +198,21 @@ def bench_experts(args) -> int:
     if not args.json:
         _table(rows)
     return 0
+
+
+def _pool_trace(pool) -> dict:
+    """The pool's trace since the last read, per job (microseconds): the four phases of a MoE layer
+    (native/moe.c) and the delay until the last worker started."""
+    from .. import native
+    lib, ffi = native.load()
+    out = ffi.new("double[8]")
+    if lib.ktk_pool_trace(pool.ptr, out, 8) < 8 or out[0] == 0:
+        return {}
+    c = out[0]
+    ends = [out[5] / c, out[6] / c, out[7] / c, out[3] / c]
+    spans = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, 4)]
+    return {"quantize_x": round(spans[0], 1), "gate_up": round(spans[1], 1), "quantize_h": round(spans[2], 1),
+            "down": round(spans[3], 1), "last_worker_start": round(out[2] / c, 1), "wait": round(out[4] / c, 1)}
 
 
 def _table(rows) -> None:

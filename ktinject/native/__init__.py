@@ -301,7 +301,7 @@ def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[s
     return v
 
 
-from .moe import MoEKernel, ExpertMatrix  # noqa: E402  (needs the helpers above)
+from .moe import MoEKernel, ExpertMatrix, repack_r16, r16_dequant, r16_gemv, r16_row_bytes  # noqa: E402,F401  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",

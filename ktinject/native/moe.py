@@ -3,16 +3,26 @@
 Weights stay where they are (usually a memory-mapped GGUF file): the kernel keeps references
 to the uint8 row tensors and hands their addresses to C. `submit` posts the work to the pool
 and returns; `sync` waits and returns the result; `forward` does both.
+
+R16: on CPUs with the AVX-512 VNNI path, Q4_K, Q5_0 and Q8_0 experts are repacked at load into
+groups of 16 interleaved rows (`repack_r16`, layout in native/r16.c), which the decode kernels read
+with about a third of the instructions (docs/operators.md, "cpu_experts"). `MoEKernel(repack=...)`
+decides; `KTINJECT_REPACK=0` turns it off everywhere.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+import logging
+import os
+
 import torch
 
 from ..errors import NativeError
-from . import Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
+
+log = logging.getLogger(__name__)
+from . import ISAS, Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,7 @@ class ExpertMatrix:
     name: str = ""
     stride: int = 0          # rows from one expert to the next (0: `rows`)
     offset: int = 0          # first row of expert 0
+    layout: str = "gguf"     # "r16": rows repacked by `repack_r16` (groups of 16, r16_row_bytes each)
 
     @property
     def expert_stride(self) -> int:
@@ -46,20 +57,158 @@ class ExpertMatrix:
         if self.offset < 0 or self.expert_stride < self.rows or self.data.shape[0] < need:
             raise NativeError(f"{what}: {self.data.shape[0]} rows, expected at least {need} for {self.n_experts} "
                               f"experts of {self.rows} rows (stride {self.expert_stride}, offset {self.offset})")
-        rb = row_bytes(self.ggml_type, self.cols)
+        if self.layout not in ("gguf", "r16"):
+            raise NativeError(f"{what}: layout must be 'gguf' or 'r16', got {self.layout!r}")
+        rb = r16_row_bytes(self.ggml_type, self.cols) if self.layout == "r16" else row_bytes(self.ggml_type, self.cols)
+        if self.layout == "r16" and (self.rows % 16 or self.offset % 16 or self.expert_stride % 16):
+            raise NativeError(f"{what}: an R16 matrix needs rows, offset and stride in multiples of 16 "
+                              f"(rows {self.rows}, offset {self.offset}, stride {self.expert_stride})")
         if self.data.shape[1] != rb:
             raise NativeError(f"{what}: rows of {self.data.shape[1]} bytes, expected {rb} for {self.cols} values "
                               f"of GGML type {self.ggml_type}")
+
+
+def r16_row_bytes(ggml_type: int, n: int) -> int:
+    """Bytes per row of n values in the R16 layout (a group of 16 rows takes 16 times that)."""
+    lib, _ = load()
+    rb = int(lib.ktk_r16_row_bytes(int(ggml_type), int(n)))
+    if rb < 0:
+        raise NativeError(f"GGML type {ggml_type} has no R16 layout (Q4_K, Q5_0, Q8_0 do) or {n} values "
+                          f"are not whole blocks")
+    return rb
+
+
+def r16_supported(m: ExpertMatrix) -> Optional[str]:
+    """None when `m` can be repacked, else why not."""
+    lib, _ = load()
+    if m.layout == "r16":
+        return "already repacked"
+    if not lib.ktk_r16_supported(int(m.ggml_type)):
+        return f"GGML type {m.ggml_type} has no R16 layout (Q4_K, Q5_0 and Q8_0 do)"
+    if m.rows % 16:
+        return f"{m.rows} rows per expert is not a multiple of 16"
+    if lib.ktk_r16_row_bytes(int(m.ggml_type), int(m.cols)) < 0:
+        return f"{m.cols} values per row are not whole blocks"
+    return None
+
+
+def repack_r16(m: ExpertMatrix, pool: Optional[Pool] = None) -> ExpertMatrix:
+    """The experts of `m` in the R16 layout: a new uint8 [E*rows, r16_row_bytes] tensor, experts back
+    to back (a stride or offset of `m` is resolved here), repacked over the pool's threads."""
+    m.validate()
+    why = r16_supported(m)
+    if why:
+        raise NativeError(f"{m.name or 'expert matrix'}: cannot repack: {why}")
+    lib, ffi = load()
+    rb = r16_row_bytes(m.ggml_type, m.cols)
+    out = torch.empty(m.n_experts * m.rows, rb, dtype=torch.uint8)
+    _huge_pages(out)
+    src_rb = m.data.shape[1]
+    src = ffi.cast("uint8_t *", m.data.data_ptr() + m.offset * src_rb)
+    check(lib.ktk_r16_repack(pool.ptr if pool is not None else ffi.NULL, int(m.ggml_type), src, src_rb,
+                             m.expert_stride * src_rb, m.n_experts, m.rows, m.cols, _ptr(ffi, out, "uint8_t *")),
+          f"repack {m.name or 'expert matrix'}")
+    return ExpertMatrix(m.ggml_type, out, m.n_experts, m.rows, m.cols, m.name, layout="r16")
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def _huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages (2 MiB) under a large tensor not yet written to (THP in
+    `madvise` mode, the usual default, gives them only when asked): one TLB entry per 2 MiB
+    instead of per 4 KiB for the decode kernels' streams. $KTINJECT_R16_HUGE=0 turns it off."""
+    nbytes = t.numel() * t.element_size()
+    if os.environ.get("KTINJECT_R16_HUGE", "1").strip() == "0" or nbytes < 2 * _HUGE or not hasattr(os, "uname") \
+            or os.uname().sysname != "Linux":
+        return False
+    import ctypes
+    start = (t.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
+    end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+
+
+def r16_dequant(ggml_type: int, w: torch.Tensor, n: int) -> torch.Tensor:
+    """R16 rows (uint8 [rows, r16_row_bytes], rows % 16 == 0) to f32 [rows, n]: GGML's values."""
+    lib, ffi = load()
+    _need(w, "w", torch.uint8, 2)
+    rb = r16_row_bytes(ggml_type, n)
+    if w.shape[1] != rb or w.shape[0] % 16:
+        raise NativeError(f"w: expected [16*g, {rb}] R16 rows for {n} values, got {list(w.shape)}")
+    out = torch.empty(w.shape[0], n, dtype=torch.float32)
+    check(lib.ktk_r16_dequant(int(ggml_type), _ptr(ffi, w, "uint8_t *"), w.shape[0], n, _ptr(ffi, out, "float *")),
+          "r16_dequant")
+    return out
+
+
+def r16_gemv(ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor, isa_name: Optional[str] = None) -> torch.Tensor:
+    """y [T, rows] = x [T, n] W^T with W as R16 rows, T <= 4 (the decode kernel; one thread)."""
+    lib, ffi = load()
+    _need(w, "w", torch.uint8, 2)
+    _need(x, "x", torch.float32, 2)
+    rb = r16_row_bytes(ggml_type, n)
+    if w.shape[1] != rb or w.shape[0] % 16:
+        raise NativeError(f"w: expected [16*g, {rb}] R16 rows for {n} values, got {list(w.shape)}")
+    if x.shape[1] != n or not 1 <= x.shape[0] <= 4:
+        raise NativeError(f"x: expected [T <= 4, {n}], got {list(x.shape)}")
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    check(lib.ktk_r16_gemv(isa_index(isa_name), int(ggml_type), _ptr(ffi, w, "uint8_t *"), w.shape[0], n, x.shape[0],
+                           _ptr(ffi, x, "float *"), _ptr(ffi, y, "float *")), "r16_gemv")
+    return y
+
+
+ENV_REPACK = "KTINJECT_REPACK"
+# repack=None (auto) repacks these types only: measured faster at decode from memory on the lent
+# Xeon (Q5_0 down projections ~30% faster per byte); Q4_K's R16 kernel is ~2x faster in cache but
+# was not faster from memory (docs/benchmarks.md), so auto leaves Q4_K in GGUF rows.
+AUTO_TYPES = (6, 8)       # Q5_0, Q8_0
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def _ram_allows(nbytes: int) -> bool:
+    """Whether `nbytes` fit in what Linux reports available, less an eighth of RAM (at least 2 GiB)
+    for everything else."""
+    from ..sysmem import memory_total_available
+    total, avail = memory_total_available()
+    return total > 0 and nbytes <= avail - max(total // 8, 2 << 30)
+
+
+def repack_mode(isa: int, repack: Optional[bool]) -> str:
+    """"off", "auto" (the `AUTO_TYPES`, when RAM allows) or "on" (every type with the layout), in
+    this order: $KTINJECT_REPACK=0 is off everywhere; `repack` False / True is off / on;
+    $KTINJECT_REPACK=1 is on; else auto on the AVX-512 and AMX paths (whose VNNI kernels read R16),
+    off on the others."""
+    env = os.environ.get(ENV_REPACK, "").strip()
+    if env == "0" or repack is False:
+        return "off"
+    if env == "1" or repack is True:
+        return "on"
+    return "auto" if isa >= ISAS.index("avx512") else "off"
 
 
 class MoEKernel:
     """out[t] = sum_j w[t,j] * down_e(SiLU(gate_e x_t) * up_e x_t), e = ids[t,j].
 
     gate, up: [E, I, H]; down: [E, H, I] (ExpertMatrix each). `threads` 0 = one per CPU.
+    `repack`: True / False / None (`repack_mode`: auto on AVX-512 and AMX: the `AUTO_TYPES`, when RAM
+    allows): gate and up (both or neither) and down get an R16 copy where `r16_supported` allows
+    (`repacked` names them), which the decode (row-dot) path reads; the grouped (prefill) path and
+    streamed_experts keep reading the GGUF rows given (`gate`, `up`, `down`).
     """
 
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
-                 pool: Optional[Pool] = None, isa: Optional[str] = None):
+                 pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None):
         lib, ffi = load()
         for m in (gate, up, down):
             m.validate()
@@ -70,9 +219,27 @@ class MoEKernel:
         if H % 32 or I % 32:
             raise NativeError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32")
         self.n_experts, self.hidden, self.inter = E, H, I
-        self.gate, self.up, self.down = gate, up, down
         self.isa = isa_index(isa)
         self.pool = pool or default_pool(threads)
+        for m in (gate, up, down):
+            if m.layout != "gguf":
+                raise NativeError(f"{m.name or 'expert matrix'}: MoEKernel takes GGUF rows (it makes its own "
+                                  f"R16 copies: repack=True)")
+        self.gate, self.up, self.down = gate, up, down
+        self.r16: dict[str, ExpertMatrix] = {}
+        mode = repack_mode(self.isa, repack)
+        if mode != "off":
+            def ok(m: ExpertMatrix) -> bool:
+                return not r16_supported(m) and (mode == "on" or m.ggml_type in AUTO_TYPES)
+            todo = ([("gate", gate), ("up", up)] if gate.ggml_type == up.ggml_type and ok(gate) and ok(up) else []) \
+                + ([("down", down)] if ok(down) else [])
+            nbytes = sum(m.n_experts * m.rows * r16_row_bytes(m.ggml_type, m.cols) for _, m in todo)
+            if todo and mode == "auto" and not _ram_allows(2 * nbytes):
+                _warn_once(f"routed experts not repacked (slower decode): the R16 copies need {nbytes / 2**20:.0f} MiB "
+                           f"beside the GGUF pages the prefill path reads, more than this machine has to spare")
+                todo = []
+            self.r16 = {name: repack_r16(m, self.pool) for name, m in todo}
+        self.repacked: tuple[str, ...] = tuple(self.r16)
         desc = ffi.new("ktk_moe_desc *")
         desc.gate_type, desc.up_type, desc.down_type = gate.ggml_type, up.ggml_type, down.ggml_type
         desc.n_experts, desc.hidden, desc.inter = E, H, I
@@ -83,6 +250,8 @@ class MoEKernel:
         desc.gate_es = gate.expert_stride * gate.data.shape[1]
         desc.up_es = up.expert_stride * up.data.shape[1]
         desc.down_es = down.expert_stride * down.data.shape[1]
+        for name in self.r16:
+            setattr(desc, name + "_r16", ffi.cast("uint8_t *", self.r16[name].data.data_ptr()))
         err = ffi.new("int *")
         ptr = lib.ktk_moe_new(desc, err)
         if ptr == ffi.NULL:

@@ -41,6 +41,7 @@ NATIVE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12,
 # Dense-source conversions: name -> bits per weight (for the plan's byte count).
 CONVERT_BITS = {"f32": 32.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
 ISAS = ("scalar", "avx2", "avx512", "amx")
+REPACK = {"auto": None, "on": True, "off": False}   # option value -> MoEKernel(repack=...)
 # the five fused expert classes, and DeepseekV3NaiveMoe (its name in some transformers 5 releases)
 EXPERT_CLASSES = (*FUSED_EXPERT_CLASSES, "DeepseekV3NaiveMoe")
 
@@ -53,6 +54,7 @@ class CpuExpertsOptions:
     convert_unsupported: bool = False    # convert GGML types the kernels lack to `quant` (else error)
     stream_ordered: bool = True          # CUDA inputs of <= stream_max_tokens: stream-driven (graph-capturable)
     stream_max_tokens: int = 16
+    repack: str = "auto"                 # R16 layout for the VNNI decode kernels: auto (AVX-512/AMX, RAM allows), on, off
 
     def __post_init__(self):
         if self.quant not in CONVERT_BITS:
@@ -63,6 +65,10 @@ class CpuExpertsOptions:
             raise ValueError(f"stream_max_tokens must be >= 1, got {self.stream_max_tokens}")
         if self.isa is not None and self.isa not in ISAS:
             raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISAS)}")
+        if isinstance(self.repack, bool):    # YAML 1.1 reads a bare on / off as true / false
+            object.__setattr__(self, "repack", "on" if self.repack else "off")
+        if self.repack not in REPACK:
+            raise ValueError(f"repack {self.repack!r} is not one of {', '.join(REPACK)}")
 
 
 def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
@@ -177,7 +183,8 @@ class CpuExperts(Operator):
             raise LoadError("tensor not found in the weights", missing=missing)
         from ..native import MoEKernel
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
-        self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa)
+        self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa,
+                                repack=REPACK[self.options.repack])
         if self._jobs and torch.cuda.is_available():   # queued host functions may still use the old jobs
             for dev in {key[0] for key in self._jobs}:
                 torch.cuda.synchronize(dev)
@@ -295,4 +302,5 @@ class CpuExperts(Operator):
 
     def extra_repr(self) -> str:
         return (f"op=cpu_experts, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
-                f"threads={self.options.threads or 'all'}, quant={self.options.quant}")
+                f"threads={self.options.threads or 'all'}, quant={self.options.quant}"
+                + (f", r16={'+'.join(self.kernel.repacked)}" if self.kernel is not None and self.kernel.repacked else ""))

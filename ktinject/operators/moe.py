@@ -65,12 +65,13 @@ class MoeOptions:
     quant: str = "bf16"
     isa: Optional[str] = None
     convert_unsupported: bool = False
+    repack: str = "auto"
     # CUDA with Triton: softmax top-k routers in 2 kernels (~6 otherwise); the shared SiLU MLP in 3 (5)
     fused_router: bool = True
     fused_shared: bool = True
 
     def __post_init__(self):
-        CpuExpertsOptions(self.threads, self.quant, self.isa, self.convert_unsupported)   # validates
+        CpuExpertsOptions(self.threads, self.quant, self.isa, self.convert_unsupported, repack=self.repack)   # validates
 
 
 def _family(module: nn.Module) -> tuple[str, Family]:
@@ -112,7 +113,8 @@ class OverlappedMoe(Operator):
             opts = ctx.options or MoeOptions()
             cpu = torch.device("cpu")
             sub = BuildContext(f"{ctx.name}.experts", cpu, cpu, cpu, None, ctx.config,
-                               CpuExpertsOptions(opts.threads, opts.quant, opts.isa, opts.convert_unsupported))
+                               CpuExpertsOptions(opts.threads, opts.quant, opts.isa, opts.convert_unsupported,
+                                                 repack=opts.repack))
             experts = CpuExperts.build(experts, sub)
         return cls(original, experts, family, ctx.device, ctx.dtype, ctx.name, ctx.options or MoeOptions())
 

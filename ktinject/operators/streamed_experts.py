@@ -101,6 +101,7 @@ class StreamedExpertsOptions:
     quant: str = "bf16"
     isa: Optional[str] = None
     convert_unsupported: bool = False
+    repack: str = "auto"
 
     def __post_init__(self):
         if self.min_tokens < 1:
@@ -118,7 +119,7 @@ class StreamedExpertsOptions:
         self.cpu_options()                                                     # validates the rest
 
     def cpu_options(self) -> CpuExpertsOptions:
-        return CpuExpertsOptions(self.threads, self.quant, self.isa, self.convert_unsupported)
+        return CpuExpertsOptions(self.threads, self.quant, self.isa, self.convert_unsupported, repack=self.repack)
 
 
 # ---------------------------------------------------------------- host memory registration
@@ -286,22 +287,10 @@ def pinnable_bytes() -> int:
     process's cgroup limit, when it has one), less a reserve of a quarter of RAM (at least 4 GiB)
     for everything else. Page-locked memory cannot be swapped or reclaimed, so it is never taken
     to the last byte."""
-    try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-        total, avail = info["MemTotal"], info["MemAvailable"]
-    except (OSError, KeyError, ValueError):
+    from ..sysmem import memory_total_available
+    total, avail = memory_total_available()
+    if total == 0:
         return 0
-    try:                                    # cgroup v2 (containers): the limit and what is used of it
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit != "max":
-            used = int(open("/sys/fs/cgroup/memory.current").read().strip())
-            total, avail = min(total, int(limit)), min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
     return avail - max(total // 4, 4 << 30)
 
 

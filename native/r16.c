@@ -1,0 +1,398 @@
+/* "R16" layouts: GGML rows repacked in groups of 16 for the decode kernels.
+ *
+ * The GGUF layout keeps a row's blocks together, so a dot kernel reads each row as a stream of
+ * bytes and spends most of its instructions moving a row's values into place and reducing them
+ * (Q4_K: ~10 vector ops per 64 weights on AVX2/AVX-512, the kernel is then as slow as memory).
+ * R16 interleaves 16 rows block by block: a 64-byte vector holds 4 values of each of 16 rows,
+ * one per 32-bit lane, so one VNNI dot (vpdpbusd) against 4 activations broadcast to all lanes
+ * accumulates 16 rows' partial dots with no shuffles and no horizontal sums (Q4_K: 2 masks and
+ * 2 dots per 128 weights). Block scales sit beside their block, one per lane.
+ *
+ * A group of 16 rows of n values is n / B blocks (B = 256 for Q4_K, 32 for Q5_0 / Q8_0), block
+ * i of all 16 rows together, GB bytes each; so rows r .. r+15 (r % 16 == 0) start at r * rb,
+ * rb = GB / 16 bytes per row, as if the rows were stored one after another. Per block:
+ *
+ *   Q4_K (GB 2368 = 16 x 148; GGUF 16 x 144: the scales unpacked to bytes):
+ *     [0, 32)      d[16]    fp16, one per row
+ *     [32, 64)     dmin[16] fp16
+ *     [64, 192)    sc[8][16]: the 6-bit scale of sub-block s (32 values) of row r
+ *     [192, 320)   m[4][16][2]: the 6-bit mins of sub-blocks 2p and 2p+1 of row r, side by side
+ *     [320, 2368)  q[32][16][4]: chunk c (values 8c .. 8c+7), row r, byte b:
+ *                  low nibble = value 8c+b, high nibble = value 8c+4+b
+ *   Q5_0 (GB 352 = 16 x 22):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 96)     h[4][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
+ *                  of value 8c+4+b (h[c][1]) of row r: the byte masks of chunk c's two halves
+ *     [96, 352)    q[4][16][4]: as Q4_K's, 4 chunks
+ *   Q8_0 (GB 544 = 16 x 34):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
+ *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
+ *
+ * Q5_0 and Q8_0 keep GGUF's size; Q4_K grows by 2.8%, which costs less than unpacking 6-bit
+ * scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
+ * a group gives exactly the floats GGML's dequantization gives (tested). */
+#include "ktk_int.h"
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+
+static int group_bytes(int type) {
+    switch (type) {
+    case KTK_Q4_K: return 2368;
+    case KTK_Q5_0: return 352;
+    case KTK_Q8_0: return 544;
+    default: return 0;
+    }
+}
+
+int ktk_r16_supported(int type) { return group_bytes(type) != 0; }
+
+int64_t ktk_r16_row_bytes(int type, int64_t n) {
+    int gb = group_bytes(type), blk = ktk_type_block(type);
+    if (!gb || n <= 0 || n % blk) return -1;
+    return n / blk * (gb / 16);
+}
+
+/* ---- repacking ---- */
+
+static inline int q4k_value(const blk_q4_k *x, int v) {   /* the 4-bit value v (0..255) */
+    int j = v / 64, l = v % 64;
+    return l < 32 ? x->qs[32 * j + l] & 0xF : x->qs[32 * j + l - 32] >> 4;
+}
+
+static inline int q5_0_lo(const blk_q5_0 *x, int v) { return v < 16 ? x->qs[v] & 0xF : x->qs[v - 16] >> 4; }
+static inline int q5_0_hi(const blk_q5_0 *x, int v) {
+    uint32_t qh;
+    memcpy(&qh, x->qh, 4);
+    return (qh >> v) & 1;
+}
+
+/* block i of the 16 rows at src (srb bytes apart) -> dst (one R16 block) */
+static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, uint8_t *dst) {
+    const int bs = ktk_type_size(type);
+    memset(dst, 0, (size_t)group_bytes(type));
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *b = src + r * srb + i * bs;
+        memcpy(dst + 2 * r, b, 2);                                       /* d: the first field of all three */
+        if (type == KTK_Q4_K) {
+            const blk_q4_k *x = (const blk_q4_k *)b;
+            memcpy(dst + 32 + 2 * r, &x->dmin, 2);
+            for (int s = 0; s < 8; s++) {
+                uint8_t sc, m;
+                ktk_scale_min_k4(s, x->scales, &sc, &m);
+                dst[64 + 16 * s + r] = sc;
+                dst[192 + 32 * (s / 2) + 2 * r + (s & 1)] = m;
+            }
+            for (int c = 0; c < 32; c++)
+                for (int k = 0; k < 4; k++)
+                    dst[320 + 64 * c + 4 * r + k] = (uint8_t)(q4k_value(x, 8 * c + k) | q4k_value(x, 8 * c + 4 + k) << 4);
+        } else if (type == KTK_Q5_0) {
+            const blk_q5_0 *x = (const blk_q5_0 *)b;
+            for (int c = 0; c < 4; c++)
+                for (int k = 0; k < 4; k++) {
+                    int bit = 4 * r + k;
+                    dst[32 + 16 * c + bit / 8] |= (uint8_t)(q5_0_hi(x, 8 * c + k) << (bit % 8));
+                    dst[32 + 16 * c + 8 + bit / 8] |= (uint8_t)(q5_0_hi(x, 8 * c + 4 + k) << (bit % 8));
+                    dst[96 + 64 * c + 4 * r + k] = (uint8_t)(q5_0_lo(x, 8 * c + k) | q5_0_lo(x, 8 * c + 4 + k) << 4);
+                }
+        } else {
+            const blk_q8_0 *x = (const blk_q8_0 *)b;
+            for (int c = 0; c < 8; c++)
+                for (int k = 0; k < 4; k++) dst[32 + 64 * c + 4 * r + k] = (uint8_t)x->qs[4 * c + k] ^ 0x80;
+        }
+    }
+}
+
+typedef struct {
+    int type;
+    const uint8_t *src;
+    int64_t srb, ses, rows, n, nb, groups_per_expert;
+    uint8_t *dst;
+} repack_ctx;
+
+static void repack_item(void *ctx, int phase, int64_t item, int tid) {
+    (void)phase; (void)tid;
+    const repack_ctx *c = ctx;
+    int64_t e = item / c->groups_per_expert, g = item % c->groups_per_expert, gb = group_bytes(c->type);
+    const uint8_t *src = c->src + e * c->ses + g * 16 * c->srb;
+    uint8_t *dst = c->dst + (e * c->groups_per_expert + g) * c->nb * gb;
+    for (int64_t i = 0; i < c->nb; i++) repack_block(c->type, src, c->srb, i, dst + i * gb);
+}
+
+int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                   int64_t rows, int64_t n, uint8_t *dst) {
+    if (!src || !dst || !ktk_r16_supported(type) || n_experts < 1 || rows < 16 || rows % 16 ||
+        ktk_r16_row_bytes(type, n) < 0 || src_rb != ktk_row_bytes(type, n) || src_es < rows * src_rb)
+        return KTK_EINVAL;
+    repack_ctx c = {type, src, src_rb, src_es, rows, n, n / ktk_type_block(type), rows / 16, dst};
+    int64_t items = n_experts * c.groups_per_expert;
+    if (p && ktk_pool_run_async(p, repack_item, &c, 1, &items) == KTK_OK) return ktk_pool_wait(p);
+    for (int64_t i = 0; i < items; i++) repack_item(&c, 0, i, 0);
+    return KTK_OK;
+}
+
+/* ---- dequantization (grouped prefill paths, tests): rows r < 16 of a group -> dst[r * ld + k] ---- */
+
+void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, int64_t ld) {
+    const int gb = group_bytes(type);
+    const int64_t nb = n / ktk_type_block(type);
+    for (int64_t i = 0; i < nb; i++, g += gb) {
+        for (int r = 0; r < 16; r++) {
+            uint16_t h;
+            memcpy(&h, g + 2 * r, 2);
+            const float d = ktk_f16_to_f32(h);
+            if (type == KTK_Q4_K) {
+                memcpy(&h, g + 32 + 2 * r, 2);
+                const float dmin = ktk_f16_to_f32(h);
+                float *y = dst + r * ld + i * 256;
+                for (int s = 0; s < 8; s++) {
+                    const float ds = d * g[64 + 16 * s + r], ms = dmin * g[192 + 32 * (s / 2) + 2 * r + (s & 1)];
+                    for (int c = 4 * s; c < 4 * s + 4; c++)
+                        for (int k = 0; k < 4; k++) {
+                            uint8_t q = g[320 + 64 * c + 4 * r + k];
+                            y[8 * c + k] = ds * (float)(q & 0xF) - ms;
+                            y[8 * c + 4 + k] = ds * (float)(q >> 4) - ms;
+                        }
+                }
+            } else if (type == KTK_Q5_0) {
+                float *y = dst + r * ld + i * 32;
+                for (int c = 0; c < 4; c++)
+                    for (int k = 0; k < 4; k++) {
+                        int bit = 4 * r + k;
+                        uint8_t q = g[96 + 64 * c + 4 * r + k];
+                        int hl = (g[32 + 16 * c + bit / 8] >> (bit % 8)) & 1, hh = (g[32 + 16 * c + 8 + bit / 8] >> (bit % 8)) & 1;
+                        y[8 * c + k] = d * (float)((int)((q & 0xF) | hl << 4) - 16);
+                        y[8 * c + 4 + k] = d * (float)((int)((q >> 4) | hh << 4) - 16);
+                    }
+            } else {
+                float *y = dst + r * ld + i * 32;
+                for (int c = 0; c < 8; c++)
+                    for (int k = 0; k < 4; k++) y[4 * c + k] = d * (float)(int8_t)(g[32 + 64 * c + 4 * r + k] ^ 0x80);
+            }
+        }
+    }
+}
+
+/* ---- dots: out[p * 16 + r] = dot(row r of group g[p], activation record xq[p]) for p < P ----
+ * P pairs of (group, token) per call, P <= KTK_R16_P: the blocks of every pair are read in
+ * lockstep (block i of each pair, then block i + 1), so a call keeps P streams of memory in
+ * flight (the hardware prefetchers then work on several pages at once; one stream at a time
+ * measured no faster than the GGUF kernels however fast the arithmetic). Pairs may share a group
+ * (several tokens: the block is then read again from L1). Both versions compute each block's
+ * integer sums exactly and weight them in the same order. */
+
+static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int64_t n, int64_t i) {
+    uint16_t h;
+    memcpy(&h, b + 2 * r, 2);
+    const float d = ktk_f16_to_f32(h);
+    if (type == KTK_Q4_K) {
+        const ktk_q8k *y = ktk_act_k(xq, n) + i;
+        int32_t si = 0, mi = 0;
+        for (int s = 0; s < 8; s++) {
+            int32_t lo = 0, hi = 0;
+            for (int c = 4 * s; c < 4 * s + 4; c++)
+                for (int k = 0; k < 4; k++) {
+                    uint8_t q = b[320 + 64 * c + 4 * r + k];
+                    lo += (q & 0xF) * y->q[8 * c + k];
+                    hi += (q >> 4) * y->q[8 * c + 4 + k];
+                }
+            si += (lo + hi) * b[64 + 16 * s + r];
+            mi += b[192 + 32 * (s / 2) + 2 * r + (s & 1)] * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
+        }
+        memcpy(&h, b + 32 + 2 * r, 2);
+        const float dmin = ktk_f16_to_f32(h);
+        return fmaf(-(float)mi, dmin * y->d, (float)si * (d * y->d));
+    }
+    const ktk_q8 *x = xq + i;
+    int32_t si = 0;
+    if (type == KTK_Q5_0) {
+        for (int c = 0; c < 4; c++)
+            for (int k = 0; k < 4; k++) {
+                int bit = 4 * r + k;
+                uint8_t q = b[96 + 64 * c + 4 * r + k];
+                int hl = (b[32 + 16 * c + bit / 8] >> (bit % 8)) & 1, hh = (b[32 + 16 * c + 8 + bit / 8] >> (bit % 8)) & 1;
+                si += ((q & 0xF) | hl << 4) * x->q[8 * c + k] + ((q >> 4) | hh << 4) * x->q[8 * c + 4 + k];
+            }
+        si -= 16 * (x->s[0] + x->s[1]);
+    } else {
+        for (int c = 0; c < 8; c++)
+            for (int k = 0; k < 4; k++) si += b[32 + 64 * c + 4 * r + k] * x->q[4 * c + k];
+        si -= 128 * (x->s[0] + x->s[1]);
+    }
+    return (float)si * (d * x->d);
+}
+
+static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out) {
+    const int gb = group_bytes(type);
+    const int64_t nb = n / ktk_type_block(type);
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < 16; r++) {
+            float acc = 0.f;
+            for (int64_t i = 0; i < nb; i++) acc += blk_scalar(type, g[p] + i * gb, r, xq[p], n, i);
+            out[p * 16 + r] = acc;
+        }
+}
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
+
+static int g_pf = -1;   /* prefetch distance in bytes ($KTINJECT_R16_PF, default 1024; 0: none) */
+#define KTK_R16_SPLIT 4
+static int g_split = 2; /* segments per pair ($KTINJECT_R16_SPLIT, 1..KTK_R16_SPLIT) */
+
+AVX512_INLINE __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+AVX512_INLINE void pf_block(const uint8_t *b, int gb) {
+    if (g_pf <= 0) return;
+    const uintptr_t a = (uintptr_t)b + (uintptr_t)g_pf;   /* past the group's end: harmless, never dereferenced */
+    for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)(a + (uintptr_t)o), _MM_HINT_T0);
+}
+
+/* one block of one pair: the block's sum, weighted, added to acc (16 rows) */
+AVX512_INLINE __m512 r16_q4k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i acc = _mm512_setzero_si512(), macc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 4 * s; c < 4 * s + 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(g + 320 + 64 * c));
+            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), bcast4(y->q + 8 * c));
+            hi = _mm512_dpbusd_epi32(hi, _mm512_andnot_si512(m4, v), bcast4(y->q + 8 * c + 4));
+        }
+        const __m512i si = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));   /* hi: 16 x the nibbles' dot */
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(si, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)))));
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        const uint32_t pair = (uint16_t)(y->bsums[4 * p] + y->bsums[4 * p + 1]) |
+                              (uint32_t)(uint16_t)(y->bsums[4 * p + 2] + y->bsums[4 * p + 3]) << 16;
+        macc = _mm512_dpwssd_epi32(macc, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(g + 192 + 32 * p))),
+                                   _mm512_set1_epi32((int)pair));
+    }
+    const __m512 yd = _mm512_set1_ps(y->d);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)));
+    return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(macc), _mm512_mul_ps(dm, yd),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, yd))) + accf;
+}
+
+AVX512_INLINE __m512 r16_q5_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x10 = _mm512_set1_epi8(0x10);
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        uint64_t ml, mh;
+        memcpy(&ml, g + 32 + 16 * c, 8); memcpy(&mh, g + 40 + 16 * c, 8);
+        const __m512i v = _mm512_loadu_si512((const void *)(g + 96 + 64 * c));
+        const __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_mask_add_epi8(l, (__mmask64)ml, l, x10), bcast4(x->q + 8 * c));
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_mask_add_epi8(h, (__mmask64)mh, h, x10), bcast4(x->q + 8 * c + 4));
+    }
+    const __m512i si = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(16 * (x->s[0] + x->s[1])));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d))) + accf;
+}
+
+AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 8; c += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512((const void *)(g + 32 + 64 * c)), bcast4(x->q + 4 * c));
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512((const void *)(g + 96 + 64 * c)), bcast4(x->q + 4 * c + 4));
+    }
+    const __m512i si = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(128 * (x->s[0] + x->s[1])));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d))) + accf;
+}
+
+/* Each pair's blocks are read as g_split segments side by side (block i of every segment, then
+ * i + 1): more streams in flight per call; the segments' sums are added in order at the end. */
+#define R16_DRIVER(NAME, BLK, GB, BLOCK, ACT)                                                             \
+    AVX512_TARGET static void NAME(int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out) { \
+        const int64_t nb = n / (BLOCK);                                                               \
+        const int S = g_split > 1 && nb % g_split == 0 ? g_split : 1;                                 \
+        const int64_t seg = nb / S;                                                                   \
+        __m512 acc[KTK_R16_P * KTK_R16_SPLIT];                                                        \
+        for (int j = 0; j < P * S; j++) acc[j] = _mm512_setzero_ps();                                 \
+        for (int64_t i = 0; i < seg; i++)                                                             \
+            for (int p = 0; p < P; p++)                                                               \
+                for (int s = 0; s < S; s++) {                                                         \
+                    const int64_t bi = s * seg + i;                                                   \
+                    const uint8_t *b = g[p] + bi * (GB);                                              \
+                    pf_block(b, GB);                                                                  \
+                    acc[p * S + s] = BLK(b, ACT, acc[p * S + s]);                                     \
+                }                                                                                     \
+        for (int p = 0; p < P; p++) {                                                                 \
+            __m512 t = acc[p * S];                                                                    \
+            for (int s = 1; s < S; s++) t = _mm512_add_ps(t, acc[p * S + s]);                         \
+            _mm512_storeu_ps(out + 16 * p, t);                                                        \
+        }                                                                                             \
+    }
+R16_DRIVER(dot_q4k_avx512, r16_q4k, 2368, 256, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, xq[p] + bi)
+R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, xq[p] + bi)
+#undef R16_DRIVER
+
+/* The kernels take KTK_ISA_AVX512 / AMX (VNNI is part of ktinject's AVX-512 path), scalar otherwise. */
+void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out) {
+    if (isa >= KTK_ISA_AVX512) {
+        if (g_pf < 0) {
+            const char *s = getenv("KTINJECT_R16_PF");
+            int v = s ? atoi(s) : 1024;
+            g_pf = v < 0 || v > 65536 ? 1024 : v;
+            s = getenv("KTINJECT_R16_SPLIT");
+            v = s ? atoi(s) : 2;
+            g_split = v < 1 || v > KTK_R16_SPLIT ? 2 : v;
+        }
+        switch (type) {
+        case KTK_Q4_K: dot_q4k_avx512(P, g, xq, n, out); return;
+        case KTK_Q5_0: dot_q5_0_avx512(P, g, xq, n, out); return;
+        case KTK_Q8_0: dot_q8_0_avx512(P, g, xq, n, out); return;
+        default: break;
+        }
+    }
+    dot_scalar(type, P, g, xq, n, out);
+}
+
+/* ---- checked entry points for tests and tools ---- */
+
+int ktk_r16_dequant(int type, const uint8_t *w, int64_t rows, int64_t n, float *dst) {
+    if (!w || !dst || !ktk_r16_supported(type) || rows < 0 || rows % 16 || ktk_r16_row_bytes(type, n) < 0)
+        return KTK_EINVAL;
+    const int64_t rb = ktk_r16_row_bytes(type, n);
+    for (int64_t r = 0; r < rows; r += 16) ktk_r16_dequant_group(type, w + r * rb, n, dst + r * n, n);
+    return KTK_OK;
+}
+
+int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, int64_t T, const float *x, float *y) {
+    if (!ktk_kernels_for(isa)) return KTK_EISA;
+    if (!w || !x || !y || !ktk_r16_supported(type) || rows < 0 || rows % 16 || T < 1 || T > KTK_R16_NT ||
+        ktk_r16_row_bytes(type, n) < 0)
+        return KTK_EINVAL;
+    const ktk_kernels *K = ktk_kernels_for(isa);
+    const size_t ab = ktk_act_bytes(n);
+    uint8_t *rec = malloc(ab * (size_t)T + 64);
+    if (!rec) return KTK_ENOMEM;
+    const ktk_q8 *xq[KTK_R16_NT];
+    for (int64_t t = 0; t < T; t++) {
+        K->quant_act(x + t * n, (ktk_q8 *)(rec + t * ab), n);
+        xq[t] = (const ktk_q8 *)(rec + t * ab);
+    }
+    const int64_t rb = ktk_r16_row_bytes(type, n);
+    float out[16 * KTK_R16_NT];
+    const uint8_t *gs[KTK_R16_NT];
+    for (int64_t r = 0; r < rows; r += 16) {
+        for (int64_t t = 0; t < T; t++) gs[t] = w + r * rb;
+        ktk_r16_dot(isa, type, (int)T, gs, xq, n, out);
+        for (int64_t t = 0; t < T; t++) memcpy(y + t * rows + r, out + 16 * t, 16 * sizeof(float));
+    }
+    free(rec);
+    return KTK_OK;
+}
