@@ -190,6 +190,62 @@ int main(void) {
                 if (yb[i] != ktk_f32_to_bf16(xb[i])) { fprintf(stderr, "to_bf16 isa %d value %d\n", isa, i); fails++; break; }
         }
     }
+    {   /* R16 copies (r16.c), exact-size buffers: repack keeps every value; each ISA's dots equal
+         * the scalar loop's (same integer sums); the layer on R16 copies agrees with GGUF rows at
+         * decode (row dots) and at batch 48 (grouped path on GGUF rows); bad descriptors refused */
+        const int rtypes[3] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0};
+        for (int ti = 0; ti < 3; ti++) {
+            int t = rtypes[ti];
+            int64_t rbh = ktk_row_bytes(t, H), rbi = ktk_row_bytes(t, I), r16h = ktk_r16_row_bytes(t, H), r16i = ktk_r16_row_bytes(t, I);
+            uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));
+            uint8_t *g16 = malloc((size_t)(E * I * r16h)), *u16 = malloc((size_t)(E * I * r16h)), *d16 = malloc((size_t)(E * H * r16i));
+            float *dq = malloc((size_t)(I * H) * sizeof(float)), row[256];
+            fill(t, g, E * I, H); fill(t, u, E * I, H); fill(t, dn, E * H, I);
+            int bad = ktk_r16_repack(pool, t, g, rbh, I * rbh, E, I, H, g16) || ktk_r16_repack(NULL, t, u, rbh, I * rbh, E, I, H, u16) ||
+                      ktk_r16_repack(pool, t, dn, rbi, H * rbi, E, H, I, d16) ||
+                      ktk_r16_dequant(t, g16 + (E - 1) * I * r16h, I, H, dq);   /* the last expert: ends the buffer */
+            for (int r = 0; r < I && !bad; r++) {
+                ktk_dequant_row(t, g + ((E - 1) * I + r) * rbh, row, H);
+                bad = memcmp(row, dq + r * H, (size_t)H * sizeof(float)) != 0;
+            }
+            if (bad) { fprintf(stderr, "R16 type %d: repack / dequant\n", t); fails++; }
+            static float xs4[4 * 256], ys[4 * 512], yv[4 * 512];
+            for (int i = 0; i < 4 * 256; i++) xs4[i] = frand();
+            ktk_r16_gemv(KTK_ISA_SCALAR, t, g16 + (E - 1) * I * r16h, I, H, 4, xs4, ys);
+            for (int isa = 1; isa <= KTK_ISA_AMX; isa++)
+                if (feats >> isa & 1 && (ktk_r16_gemv(isa, t, g16 + (E - 1) * I * r16h, I, H, 4, xs4, yv) || !(rel(yv, ys, 4 * I) <= 1e-5))) {
+                    fprintf(stderr, "R16 type %d isa %d: gemv differs from the scalar loop\n", t, isa); fails++;
+                }
+            float x[48 * 256], ref[48 * 256], out[48 * 256];
+            for (int i = 0; i < 48 * 256; i++) x[i] = frand();
+            int64_t ids[48 * 2]; float w[48 * 2];
+            for (int i = 0; i < 48; i++) { ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E; w[2 * i] = frand(); w[2 * i + 1] = frand(); }
+            ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, g16, u16, d16};
+            ktk_moe_desc plain = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL};
+            int err = 0;
+            ktk_moe *m = ktk_moe_new(&d, &err), *mp = ktk_moe_new(&plain, &err);
+            for (int T = 1; m && mp && T <= 48; T += 47)
+                for (int isa = 0; isa <= KTK_ISA_AMX; isa++) {
+                    if (isa && !(feats >> isa & 1)) continue;
+                    if (ktk_moe_forward(mp, pool, isa, T, k, x, ids, w, ref) || ktk_moe_forward(m, pool, isa, T, k, x, ids, w, out) ||
+                        !(rel(out, ref, T * H) <= (isa ? 0.2 : 0.05))) {
+                        fprintf(stderr, "R16 type %d isa %d T %d: layer differs\n", t, isa, T); fails++;
+                    }
+                }
+            if (!m || !mp) { fprintf(stderr, "R16 type %d: moe_new %d\n", t, err); fails++; }
+            ktk_moe_free(m); ktk_moe_free(mp);
+            d.up_r16 = NULL;                              /* gate without up: refused */
+            if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "R16 gate without up accepted\n"); fails++; }
+            if (ktk_r16_repack(NULL, t, g, rbh, I * rbh, E, 8, H, g16) != KTK_EINVAL ||          /* rows % 16 */
+                ktk_r16_repack(NULL, t, g, rbh + 1, I * rbh, E, I, H, g16) != KTK_EINVAL ||      /* row bytes */
+                ktk_r16_repack(NULL, t, g, rbh, rbh, E, I, H, g16) != KTK_EINVAL ||              /* overlapping experts */
+                ktk_r16_gemv(KTK_ISA_SCALAR, t, g16, I, H, 5, xs4, ys) != KTK_EINVAL) {          /* T > 4 */
+                fprintf(stderr, "R16 type %d: bad arguments accepted\n", t); fails++;
+            }
+            free(g); free(u); free(dn); free(g16); free(u16); free(d16); free(dq);
+        }
+        if (ktk_r16_supported(KTK_Q6_K) || ktk_r16_row_bytes(KTK_Q4_K, 100) != -1) fails++;
+    }
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
     if (bw <= 0) fails++;
     ktk_pool_free(pool);
