@@ -24,6 +24,12 @@
  *     [32, 96)     h[4][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
  *                  of value 8c+4+b (h[c][1]) of row r: the byte masks of chunk c's two halves
  *     [96, 352)    q[4][16][4]: as Q4_K's, 4 chunks
+ *   Q6_K (GB 3360 = 16 x 210):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 288)    sc[8][16][2]: the int8 scales of sub-blocks 2p and 2p+1 (16 values each) of row r
+ *     [288, 2336)  q[32][16][4]: the low 4 bits, as Q4_K's nibbles
+ *     [2336, 3360) h[8][2][16][4]: per 4 chunks c = 4G + k, two vectors (values 8c+b, 8c+4+b):
+ *                  bits 2k, 2k+1 of byte b of row r = the value's high 2 bits
  *   Q8_0 (GB 544 = 16 x 34):
  *     [0, 32)      d[16]    fp16
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
@@ -42,6 +48,7 @@ static int group_bytes(int type) {
     case KTK_Q4_K: return 2368;
     case KTK_Q5_0: return 352;
     case KTK_Q8_0: return 544;
+    case KTK_Q6_K: return 3360;
     default: return 0;
     }
 }
@@ -62,6 +69,13 @@ static inline int q4k_value(const blk_q4_k *x, int v) {   /* the 4-bit value v (
 }
 
 static inline int q5_0_lo(const blk_q5_0 *x, int v) { return v < 16 ? x->qs[v] & 0xF : x->qs[v - 16] >> 4; }
+static inline int q6k_value(const blk_q6_k *x, int v) {   /* the 6-bit value v (0..255), unsigned */
+    const int h = v / 128, k = v % 128 / 32, l = v % 32;
+    const uint8_t *ql = x->ql + 64 * h, *qh = x->qh + 32 * h;
+    const int lo = k & 1 ? ql[l + 32] : ql[l];
+    return (k < 2 ? lo & 0xF : lo >> 4) | ((qh[l] >> (2 * k)) & 3) << 4;
+}
+
 static inline int q5_0_hi(const blk_q5_0 *x, int v) {
     uint32_t qh;
     memcpy(&qh, x->qh, 4);
@@ -74,7 +88,20 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
     memset(dst, 0, (size_t)group_bytes(type));
     for (int r = 0; r < 16; r++) {
         const uint8_t *b = src + r * srb + i * bs;
-        memcpy(dst + 2 * r, b, 2);                                       /* d: the first field of all three */
+        if (type == KTK_Q6_K) {
+            const blk_q6_k *x = (const blk_q6_k *)b;
+            memcpy(dst + 2 * r, &x->d, 2);
+            for (int j = 0; j < 16; j++) dst[32 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
+            for (int c = 0; c < 32; c++)
+                for (int k = 0; k < 4; k++) {
+                    int a = q6k_value(x, 8 * c + k), z = q6k_value(x, 8 * c + 4 + k), G = c / 4, sh = 2 * (c % 4);
+                    dst[288 + 64 * c + 4 * r + k] = (uint8_t)((a & 0xF) | (z & 0xF) << 4);
+                    dst[2336 + 128 * G + 4 * r + k] |= (uint8_t)((a >> 4) << sh);
+                    dst[2336 + 128 * G + 64 + 4 * r + k] |= (uint8_t)((z >> 4) << sh);
+                }
+            continue;
+        }
+        memcpy(dst + 2 * r, b, 2);                                       /* d: the first field of the others */
         if (type == KTK_Q4_K) {
             const blk_q4_k *x = (const blk_q4_k *)b;
             memcpy(dst + 32 + 2 * r, &x->dmin, 2);
@@ -155,6 +182,18 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
                             y[8 * c + 4 + k] = ds * (float)(q >> 4) - ms;
                         }
                 }
+            } else if (type == KTK_Q6_K) {
+                float *y = dst + r * ld + i * 256;
+                for (int c = 0; c < 32; c++) {
+                    const float ds = d * (float)(int8_t)g[32 + 32 * (c / 4) + 2 * r + (c / 2 & 1)];
+                    for (int k = 0; k < 4; k++) {
+                        uint8_t q = g[288 + 64 * c + 4 * r + k];
+                        int sh = 2 * (c % 4), hl = (g[2336 + 128 * (c / 4) + 4 * r + k] >> sh) & 3,
+                            hh = (g[2336 + 128 * (c / 4) + 64 + 4 * r + k] >> sh) & 3;
+                        y[8 * c + k] = ds * (float)((int)((q & 0xF) | hl << 4) - 32);
+                        y[8 * c + 4 + k] = ds * (float)((int)((q >> 4) | hh << 4) - 32);
+                    }
+                }
             } else if (type == KTK_Q5_0) {
                 float *y = dst + r * ld + i * 32;
                 for (int c = 0; c < 4; c++)
@@ -203,6 +242,24 @@ static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int
         memcpy(&h, b + 32 + 2 * r, 2);
         const float dmin = ktk_f16_to_f32(h);
         return fmaf(-(float)mi, dmin * y->d, (float)si * (d * y->d));
+    }
+    if (type == KTK_Q6_K) {   /* sum_j sc_j * (q . y)_j - 32 * sum_j sc_j * bsums_j, in integers */
+        const ktk_q8k *y = ktk_act_k(xq, n) + i;
+        int32_t si = 0, ci = 0;
+        for (int j = 0; j < 16; j++) {
+            const int sc = (int8_t)b[32 + 32 * (j / 2) + 2 * r + (j & 1)];
+            int32_t s = 0;
+            for (int c = 2 * j; c < 2 * j + 2; c++)
+                for (int k = 0; k < 4; k++) {
+                    uint8_t q = b[288 + 64 * c + 4 * r + k];
+                    int sh = 2 * (c % 4), hl = (b[2336 + 128 * (c / 4) + 4 * r + k] >> sh) & 3,
+                        hh = (b[2336 + 128 * (c / 4) + 64 + 4 * r + k] >> sh) & 3;
+                    s += ((q & 0xF) | hl << 4) * y->q[8 * c + k] + ((q >> 4) | hh << 4) * y->q[8 * c + 4 + k];
+                }
+            si += s * sc;
+            ci += sc * y->bsums[j];
+        }
+        return (float)(si - 32 * ci) * (d * y->d);
     }
     const ktk_q8 *x = xq + i;
     int32_t si = 0;
@@ -283,6 +340,44 @@ AVX512_INLINE __m512 r16_q4k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
                             _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, yd))) + accf;
 }
 
+AVX512_INLINE __m512 r16_q6k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512i acc = _mm512_setzero_si512(), cacc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int G = 0; G < 8; G++) {
+        const __m512i HL = _mm512_loadu_si512((const void *)(g + 2336 + 128 * G));
+        const __m512i HH = _mm512_loadu_si512((const void *)(g + 2336 + 128 * G + 64));
+        const __m512i scp = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(g + 32 + 32 * G)));   /* (sc 2G, sc 2G+1) */
+        __m512i s[2];
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            __m512i a = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int k = 2 * half; k < 2 * half + 2; k++) {
+                const int c = 4 * G + k;
+                const __m512i v = _mm512_loadu_si512((const void *)(g + 288 + 64 * c));
+                /* bits 2k, 2k+1 to bits 4, 5 (16-bit shifts: what crosses a byte is masked off) */
+                const __m512i tl = _mm512_and_si512(k == 0 ? _mm512_slli_epi16(HL, 4) : k == 1 ? _mm512_slli_epi16(HL, 2)
+                                                    : k == 2 ? HL : _mm512_srli_epi16(HL, 2), m30);
+                const __m512i th = _mm512_and_si512(k == 0 ? _mm512_slli_epi16(HH, 4) : k == 1 ? _mm512_slli_epi16(HH, 2)
+                                                    : k == 2 ? HH : _mm512_srli_epi16(HH, 2), m30);
+                const __m512i lo = _mm512_ternarylogic_epi32(v, tl, m4, 0xEC);                           /* (v & m4) | tl */
+                const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), th, m4, 0xEC);
+                a = _mm512_dpbusd_epi32(a, lo, bcast4(y->q + 8 * c));
+                a = _mm512_dpbusd_epi32(a, hi, bcast4(y->q + 8 * c + 4));
+            }
+            s[half] = a;
+        }
+        const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(scp, 16), 16), sc1 = _mm512_srai_epi32(scp, 16);
+        acc = _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_mullo_epi32(s[0], sc0), _mm512_mullo_epi32(s[1], sc1)));
+        const uint32_t pair = (uint16_t)y->bsums[2 * G] | (uint32_t)(uint16_t)y->bsums[2 * G + 1] << 16;
+        cacc = _mm512_dpwssd_epi32(cacc, scp, _mm512_set1_epi32((int)pair));
+    }
+    const __m512i si = _mm512_sub_epi32(acc, _mm512_slli_epi32(cacc, 5));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(y->d))) + accf;
+}
+
 AVX512_INLINE __m512 r16_q5_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), x10 = _mm512_set1_epi8(0x10);
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
@@ -338,6 +433,7 @@ AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
 R16_DRIVER(dot_q4k_avx512, r16_q4k, 2368, 256, ktk_act_k(xq[p], n) + bi)
 R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, xq[p] + bi)
 R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, xq[p] + bi)
+R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, ktk_act_k(xq[p], n) + bi)
 #undef R16_DRIVER
 
 /* The kernels take KTK_ISA_AVX512 / AMX (VNNI is part of ktinject's AVX-512 path), scalar otherwise. */
@@ -355,6 +451,7 @@ void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8
         case KTK_Q4_K: dot_q4k_avx512(P, g, xq, n, out); return;
         case KTK_Q5_0: dot_q5_0_avx512(P, g, xq, n, out); return;
         case KTK_Q8_0: dot_q8_0_avx512(P, g, xq, n, out); return;
+        case KTK_Q6_K: dot_q6k_avx512(P, g, xq, n, out); return;
         default: break;
         }
     }

@@ -23,8 +23,8 @@ from test_native_util import dequant, moe_case, rand_rows, ref_moe, rel_err
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
 ISAS = native.usable_isas() if native.available() else []
-R16 = [QT.Q4_K, QT.Q5_0, QT.Q8_0]
-N = {QT.Q4_K: 512, QT.Q5_0: 96, QT.Q8_0: 128}
+R16 = [QT.Q4_K, QT.Q5_0, QT.Q8_0, QT.Q6_K]
+N = {QT.Q4_K: 512, QT.Q5_0: 96, QT.Q8_0: 128, QT.Q6_K: 512}
 
 
 @pytest.fixture(autouse=True)
@@ -67,15 +67,15 @@ def test_r16_gemv(isa, qt, T):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qt,dqt", [(QT.Q4_K, QT.Q5_0), (QT.Q8_0, QT.Q8_0), (QT.Q4_K, QT.Q6_K)],
-                         ids=["q4_k+q5_0", "q8_0", "q4_k+q6_k"])
+@pytest.mark.parametrize("qt,dqt", [(QT.Q4_K, QT.Q5_0), (QT.Q8_0, QT.Q8_0), (QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q5_K)],
+                         ids=["q4_k+q5_0", "q8_0", "q4_k+q6_k", "q6_k+q5_k"])
 @pytest.mark.parametrize("T,tile_min", [(1, 4), (6, 100000), (64, 4)], ids=["decode", "rowdot-T6", "grouped-T64"])
 def test_moe_kernel_repacked(isa, qt, dqt, T, tile_min, monkeypatch):
     monkeypatch.setenv("KTINJECT_TILE_MIN", str(tile_min))
     (gate, up, down), (G, U, D) = moe_case(qt, dqt, E=6)
     kern = native.MoEKernel(gate, up, down, threads=2, isa=isa, repack=True)
-    # Q6_K has no R16 layout: its down stays GGUF rows beside repacked gate / up
-    assert kern.repacked == (("gate", "up", "down") if dqt != QT.Q6_K else ("gate", "up"))
+    # Q5_K has no R16 layout: its down stays GGUF rows beside repacked gate / up
+    assert kern.repacked == (("gate", "up", "down") if dqt != QT.Q5_K else ("gate", "up"))
     plain = native.MoEKernel(gate, up, down, threads=2, isa=isa, repack=False)
     assert plain.repacked == ()
     x = torch.randn(T, 256)
@@ -102,9 +102,9 @@ def test_auto_repack_follows_the_isa_the_types_and_the_env(monkeypatch):
 
 
 def test_bad_input_names_the_problem():
-    w6 = rand_rows(QT.Q6_K, 16, 256, seed=1)
+    w5 = rand_rows(QT.Q5_K, 16, 256, seed=1)
     with pytest.raises(NativeError, match="no R16 layout"):
-        native.repack_r16(native.ExpertMatrix(int(QT.Q6_K), w6, 1, 16, 256, "down"))
+        native.repack_r16(native.ExpertMatrix(int(QT.Q5_K), w5, 1, 16, 256, "down"))
     w = rand_rows(QT.Q4_K, 24, 256, seed=1)
     with pytest.raises(NativeError, match="not a multiple of 16"):
         native.repack_r16(native.ExpertMatrix(int(QT.Q4_K), w, 1, 24, 256, "gate"))
@@ -126,7 +126,7 @@ def test_bad_input_names_the_problem():
 def test_c_side_refuses_bad_r16_descriptors():
     """The flags are checked in C too: gate without up, a type without the layout, GGUF row sizes."""
     lib, ffi = native.load()
-    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q6_K, E=2)
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_K, E=2)
     rg, ru = native.repack_r16(gate), native.repack_r16(up)
     keep = []
 
@@ -145,7 +145,7 @@ def test_c_side_refuses_bad_r16_descriptors():
     ok = lib.ktk_moe_new(desc(), err)
     assert ok != ffi.NULL and err[0] == 0
     lib.ktk_moe_free(ok)
-    # gate without up; a Q6_K down (no R16 layout) with an R16 copy; gate and up of two types
+    # gate without up; a Q5_K down (no R16 layout) with an R16 copy; gate and up of two types
     for bad in (desc(u16=None), desc(d16=rg), desc(up_type=int(QT.Q8_0))):
         assert lib.ktk_moe_new(bad, err) == ffi.NULL and err[0] == lib.KTK_EINVAL
     assert lib.ktk_r16_repack(ffi.NULL, int(QT.Q4_K), ffi.cast("uint8_t *", gate.data.data_ptr()), 144, 144 * 512,

@@ -134,6 +134,10 @@ def describe() -> dict:
     out = {"available": True, "compiled": compiled, "usable": usable_isas(), "isa": running,
            "amx_permission": bool(lib.ktk_amx_permission()), "threads": cpu_count(),
            "forced_by": ENV_ISA if os.environ.get(ENV_ISA) else None}
+    if running is not None:     # what repack: auto does on this path (docs/native.md, R16)
+        from .moe import repack_mode
+        out["r16_repack"] = {"off": "off", "on": "on (all R16 types)",
+                             "auto": "auto (Q5_0, Q8_0)"}[repack_mode(ISAS.index(running), None)]
     if err:
         out["error"] = err
     return out

@@ -4,7 +4,7 @@ Weights stay where they are (usually a memory-mapped GGUF file): the kernel keep
 to the uint8 row tensors and hands their addresses to C. `submit` posts the work to the pool
 and returns; `sync` waits and returns the result; `forward` does both.
 
-R16: on CPUs with the AVX-512 VNNI path, Q4_K, Q5_0 and Q8_0 experts are repacked at load into
+R16: on CPUs with the AVX-512 VNNI path, Q4_K, Q5_0, Q8_0 and Q6_K experts can be repacked at load into
 groups of 16 interleaved rows (`repack_r16`, layout in native/r16.c), which the decode kernels read
 with about a third of the instructions (docs/operators.md, "cpu_experts"). `MoEKernel(repack=...)`
 decides; `KTINJECT_REPACK=0` turns it off everywhere.
@@ -73,7 +73,7 @@ def r16_row_bytes(ggml_type: int, n: int) -> int:
     lib, _ = load()
     rb = int(lib.ktk_r16_row_bytes(int(ggml_type), int(n)))
     if rb < 0:
-        raise NativeError(f"GGML type {ggml_type} has no R16 layout (Q4_K, Q5_0, Q8_0 do) or {n} values "
+        raise NativeError(f"GGML type {ggml_type} has no R16 layout (Q4_K, Q5_0, Q8_0, Q6_K do) or {n} values "
                           f"are not whole blocks")
     return rb
 
@@ -84,7 +84,7 @@ def r16_supported(m: ExpertMatrix) -> Optional[str]:
     if m.layout == "r16":
         return "already repacked"
     if not lib.ktk_r16_supported(int(m.ggml_type)):
-        return f"GGML type {m.ggml_type} has no R16 layout (Q4_K, Q5_0 and Q8_0 do)"
+        return f"GGML type {m.ggml_type} has no R16 layout (Q4_K, Q5_0, Q8_0 and Q6_K do)"
     if m.rows % 16:
         return f"{m.rows} rows per expert is not a multiple of 16"
     if lib.ktk_r16_row_bytes(int(m.ggml_type), int(m.cols)) < 0:
