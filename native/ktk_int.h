@@ -128,6 +128,7 @@ void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int6
 #define KTK_R16_NT 4
 void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out);
 void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, int64_t ld);
+void ktk_r16_init(void);   /* reads the $KTINJECT_R16_* knobs once; call before a pool job runs the dots */
 
 /* pool (pool.c): a job is `nphase` phases; phase p has `items[p]` work items run by fn. */
 typedef void (*ktk_item_fn)(void *ctx, int phase, int64_t item, int tid);

@@ -70,6 +70,7 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
                (d->down_r16 && (!ktk_r16_supported(d->down_type) || d->hidden % 16 || ktk_r16_row_bytes(d->down_type, d->inter) < 0))))
         e = KTK_EINVAL;
     if (e) { if (err) *err = e; return NULL; }
+    if (d->gate_r16 || d->down_r16) ktk_r16_init();
     ktk_moe *m = calloc(1, sizeof *m);
     int64_t E = d->n_experts;
     if (m) {

@@ -436,17 +436,21 @@ R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, xq[p] + bi)
 R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, ktk_act_k(xq[p], n) + bi)
 #undef R16_DRIVER
 
+/* The knobs, read once from the environment (by ktk_moe_new and ktk_r16_gemv, before any worker
+ * runs a kernel: the workers only read them). */
+void ktk_r16_init(void) {
+    if (g_pf >= 0) return;
+    const char *s = getenv("KTINJECT_R16_SPLIT");
+    int v = s ? atoi(s) : 2;
+    g_split = v < 1 || v > KTK_R16_SPLIT ? 2 : v;
+    s = getenv("KTINJECT_R16_PF");
+    v = s ? atoi(s) : 1024;
+    g_pf = v < 0 || v > 65536 ? 1024 : v;
+}
+
 /* The kernels take KTK_ISA_AVX512 / AMX (VNNI is part of ktinject's AVX-512 path), scalar otherwise. */
 void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out) {
     if (isa >= KTK_ISA_AVX512) {
-        if (g_pf < 0) {
-            const char *s = getenv("KTINJECT_R16_PF");
-            int v = s ? atoi(s) : 1024;
-            g_pf = v < 0 || v > 65536 ? 1024 : v;
-            s = getenv("KTINJECT_R16_SPLIT");
-            v = s ? atoi(s) : 2;
-            g_split = v < 1 || v > KTK_R16_SPLIT ? 2 : v;
-        }
         switch (type) {
         case KTK_Q4_K: dot_q4k_avx512(P, g, xq, n, out); return;
         case KTK_Q5_0: dot_q5_0_avx512(P, g, xq, n, out); return;
@@ -474,6 +478,7 @@ int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, i
         ktk_r16_row_bytes(type, n) < 0)
         return KTK_EINVAL;
     const ktk_kernels *K = ktk_kernels_for(isa);
+    ktk_r16_init();
     const size_t ab = ktk_act_bytes(n);
     uint8_t *rec = malloc(ab * (size_t)T + 64);
     if (!rec) return KTK_ENOMEM;
