@@ -63,47 +63,62 @@ int64_t ktk_r16_row_bytes(int type, int64_t n) {
 
 /* ---- repacking ---- */
 
-static inline int q4k_value(const blk_q4_k *x, int v) {   /* the 4-bit value v (0..255) */
-    int j = v / 64, l = v % 64;
-    return l < 32 ? x->qs[32 * j + l] & 0xF : x->qs[32 * j + l - 32] >> 4;
-}
-
-static inline int q5_0_lo(const blk_q5_0 *x, int v) { return v < 16 ? x->qs[v] & 0xF : x->qs[v - 16] >> 4; }
-static inline int q6k_value(const blk_q6_k *x, int v) {   /* the 6-bit value v (0..255), unsigned */
-    const int h = v / 128, k = v % 128 / 32, l = v % 32;
-    const uint8_t *ql = x->ql + 64 * h, *qh = x->qh + 32 * h;
-    const int lo = k & 1 ? ql[l + 32] : ql[l];
-    return (k < 2 ? lo & 0xF : lo >> 4) | ((qh[l] >> (2 * k)) & 3) << 4;
-}
-
-static inline int q5_0_hi(const blk_q5_0 *x, int v) {
-    uint32_t qh;
-    memcpy(&qh, x->qh, 4);
-    return (qh >> v) & 1;
+/* The values of one GGML block, unsigned (Q4_K 4 bits, Q5_0 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
+ * in the block's value order: unpacked once per row, then scattered into the R16 block. */
+static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
+    switch (type) {
+    case KTK_Q4_K: {
+        const blk_q4_k *x = (const blk_q4_k *)b;
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                v[64 * j + l] = x->qs[32 * j + l] & 0xF;
+                v[64 * j + 32 + l] = x->qs[32 * j + l] >> 4;
+            }
+        break;
+    }
+    case KTK_Q5_0: {
+        const blk_q5_0 *x = (const blk_q5_0 *)b;
+        uint32_t qh;
+        memcpy(&qh, x->qh, 4);
+        for (int l = 0; l < 16; l++) {
+            v[l] = (uint8_t)((x->qs[l] & 0xF) | ((qh >> l) & 1) << 4);
+            v[l + 16] = (uint8_t)((x->qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4);
+        }
+        break;
+    }
+    case KTK_Q6_K: {
+        const blk_q6_k *x = (const blk_q6_k *)b;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = x->ql + 64 * h, *qh = x->qh + 32 * h;
+            for (int l = 0; l < 32; l++) {
+                v[128 * h + l] = (uint8_t)((ql[l] & 0xF) | (qh[l] & 3) << 4);
+                v[128 * h + 32 + l] = (uint8_t)((ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4);
+                v[128 * h + 64 + l] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+                v[128 * h + 96 + l] = (uint8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+            }
+        }
+        break;
+    }
+    default: {   /* Q8_0 */
+        const blk_q8_0 *x = (const blk_q8_0 *)b;
+        for (int l = 0; l < 32; l++) v[l] = (uint8_t)x->qs[l] ^ 0x80;
+    }
+    }
 }
 
 /* block i of the 16 rows at src (srb bytes apart) -> dst (one R16 block) */
 static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, uint8_t *dst) {
     const int bs = ktk_type_size(type);
+    uint8_t v[256];
     memset(dst, 0, (size_t)group_bytes(type));
     for (int r = 0; r < 16; r++) {
         const uint8_t *b = src + r * srb + i * bs;
-        if (type == KTK_Q6_K) {
-            const blk_q6_k *x = (const blk_q6_k *)b;
-            memcpy(dst + 2 * r, &x->d, 2);
-            for (int j = 0; j < 16; j++) dst[32 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
-            for (int c = 0; c < 32; c++)
-                for (int k = 0; k < 4; k++) {
-                    int a = q6k_value(x, 8 * c + k), z = q6k_value(x, 8 * c + 4 + k), G = c / 4, sh = 2 * (c % 4);
-                    dst[288 + 64 * c + 4 * r + k] = (uint8_t)((a & 0xF) | (z & 0xF) << 4);
-                    dst[2336 + 128 * G + 4 * r + k] |= (uint8_t)((a >> 4) << sh);
-                    dst[2336 + 128 * G + 64 + 4 * r + k] |= (uint8_t)((z >> 4) << sh);
-                }
-            continue;
-        }
-        memcpy(dst + 2 * r, b, 2);                                       /* d: the first field of the others */
-        if (type == KTK_Q4_K) {
+        unpack_values(type, b, v);
+        uint8_t *q = dst + 4 * r;   /* row r's 4 bytes in each chunk vector */
+        switch (type) {
+        case KTK_Q4_K: {
             const blk_q4_k *x = (const blk_q4_k *)b;
+            memcpy(dst + 2 * r, &x->d, 2);
             memcpy(dst + 32 + 2 * r, &x->dmin, 2);
             for (int s = 0; s < 8; s++) {
                 uint8_t sc, m;
@@ -112,21 +127,45 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
                 dst[192 + 32 * (s / 2) + 2 * r + (s & 1)] = m;
             }
             for (int c = 0; c < 32; c++)
-                for (int k = 0; k < 4; k++)
-                    dst[320 + 64 * c + 4 * r + k] = (uint8_t)(q4k_value(x, 8 * c + k) | q4k_value(x, 8 * c + 4 + k) << 4);
-        } else if (type == KTK_Q5_0) {
-            const blk_q5_0 *x = (const blk_q5_0 *)b;
+                for (int k = 0; k < 4; k++) q[320 + 64 * c + k] = (uint8_t)(v[8 * c + k] | v[8 * c + 4 + k] << 4);
+            break;
+        }
+        case KTK_Q5_0: {
+            memcpy(dst + 2 * r, b, 2);
+            uint64_t ml[4] = {0}, mh[4] = {0};   /* this row's bits of the eight masks */
             for (int c = 0; c < 4; c++)
                 for (int k = 0; k < 4; k++) {
-                    int bit = 4 * r + k;
-                    dst[32 + 16 * c + bit / 8] |= (uint8_t)(q5_0_hi(x, 8 * c + k) << (bit % 8));
-                    dst[32 + 16 * c + 8 + bit / 8] |= (uint8_t)(q5_0_hi(x, 8 * c + 4 + k) << (bit % 8));
-                    dst[96 + 64 * c + 4 * r + k] = (uint8_t)(q5_0_lo(x, 8 * c + k) | q5_0_lo(x, 8 * c + 4 + k) << 4);
+                    const int lo = v[8 * c + k], hi = v[8 * c + 4 + k];
+                    q[96 + 64 * c + k] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
+                    ml[c] |= (uint64_t)(lo >> 4) << (4 * r + k);
+                    mh[c] |= (uint64_t)(hi >> 4) << (4 * r + k);
                 }
-        } else {
-            const blk_q8_0 *x = (const blk_q8_0 *)b;
-            for (int c = 0; c < 8; c++)
-                for (int k = 0; k < 4; k++) dst[32 + 64 * c + 4 * r + k] = (uint8_t)x->qs[4 * c + k] ^ 0x80;
+            for (int c = 0; c < 4; c++) {   /* little-endian masks: OR this row's bytes in */
+                uint64_t a, z;
+                memcpy(&a, dst + 32 + 16 * c, 8); memcpy(&z, dst + 40 + 16 * c, 8);
+                a |= ml[c]; z |= mh[c];
+                memcpy(dst + 32 + 16 * c, &a, 8); memcpy(dst + 40 + 16 * c, &z, 8);
+            }
+            break;
+        }
+        case KTK_Q6_K: {
+            const blk_q6_k *x = (const blk_q6_k *)b;
+            memcpy(dst + 2 * r, &x->d, 2);
+            for (int j = 0; j < 16; j++) dst[32 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)x->scales[j];
+            for (int c = 0; c < 32; c++) {
+                const int G = c / 4, sh = 2 * (c % 4);
+                for (int k = 0; k < 4; k++) {
+                    const int a = v[8 * c + k], z = v[8 * c + 4 + k];
+                    q[288 + 64 * c + k] = (uint8_t)((a & 0xF) | (z & 0xF) << 4);
+                    q[2336 + 128 * G + k] |= (uint8_t)((a >> 4) << sh);
+                    q[2336 + 128 * G + 64 + k] |= (uint8_t)((z >> 4) << sh);
+                }
+            }
+            break;
+        }
+        default:   /* Q8_0 */
+            memcpy(dst + 2 * r, b, 2);
+            for (int c = 0; c < 8; c++) memcpy(q + 32 + 64 * c, v + 4 * c, 4);
         }
     }
 }
