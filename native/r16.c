@@ -2,13 +2,14 @@
  *
  * The GGUF layout keeps a row's blocks together, so a dot kernel reads each row as a stream of
  * bytes and spends most of its instructions moving a row's values into place and reducing them
- * (Q4_K: ~10 vector ops per 64 weights on AVX2/AVX-512, the kernel is then as slow as memory).
+ * (Q4_K: ~10 vector ops per 64 weights on AVX2/AVX-512).
  * R16 interleaves 16 rows block by block: a 64-byte vector holds 4 values of each of 16 rows,
  * one per 32-bit lane, so one VNNI dot (vpdpbusd) against 4 activations broadcast to all lanes
  * accumulates 16 rows' partial dots with no shuffles and no horizontal sums (Q4_K: 2 masks and
- * 2 dots per 128 weights). Block scales sit beside their block, one per lane.
+ * 2 dots per 128 weights). Block scales sit beside their block, one per lane. Whether that is
+ * faster from memory depends on the type (docs/native.md): fewer instructions alone were not.
  *
- * A group of 16 rows of n values is n / B blocks (B = 256 for Q4_K, 32 for Q5_0 / Q8_0), block
+ * A group of 16 rows of n values is n / B blocks (B = 256 for Q4_K / Q6_K, 32 for Q5_0 / Q8_0), block
  * i of all 16 rows together, GB bytes each; so rows r .. r+15 (r % 16 == 0) start at r * rb,
  * rb = GB / 16 bytes per row, as if the rows were stored one after another. Per block:
  *
@@ -35,7 +36,7 @@
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
  *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
  *
- * Q5_0 and Q8_0 keep GGUF's size; Q4_K grows by 2.8%, which costs less than unpacking 6-bit
+ * Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8%, which costs less than unpacking 6-bit
  * scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
  * a group gives exactly the floats GGML's dequantization gives (tested). */
 #include "ktk_int.h"
@@ -198,58 +199,53 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
     return KTK_OK;
 }
 
-/* ---- dequantization (grouped prefill paths, tests): rows r < 16 of a group -> dst[r * ld + k] ---- */
+/* ---- reading one value back (dequantization, the scalar dots) ---- */
 
+/* Value v (in the block's order) of row r of the R16 block at b, unsigned as stored: Q4_K 4 bits,
+ * Q5_0 5, Q6_K 6, Q8_0 the byte (value + 128). */
+static inline int r16_value(int type, const uint8_t *b, int r, int v) {
+    if (type == KTK_Q8_0) return b[32 + 64 * (v / 4) + 4 * r + v % 4];
+    const int c = v / 8, k = v % 8 & 3, high = v % 8 >= 4;
+    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_0 ? 96 : 288;
+    const uint8_t q = b[qo + 64 * c + 4 * r + k];
+    const int lo = high ? q >> 4 : q & 0xF;
+    if (type == KTK_Q4_K) return lo;
+    if (type == KTK_Q5_0) {
+        const int bit = 4 * r + k;
+        return lo | ((b[32 + 16 * c + 8 * high + bit / 8] >> (bit % 8)) & 1) << 4;
+    }
+    return lo | ((b[2336 + 128 * (c / 4) + 64 * high + 4 * r + k] >> (2 * (c % 4))) & 3) << 4;   /* Q6_K */
+}
+
+static inline float r16_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return ktk_f16_to_f32(h);
+}
+
+/* the scale of sub-block s: Q4_K (32 values, 6-bit), Q6_K (16 values, int8) */
+static inline int r16_scale(int type, const uint8_t *b, int r, int s) {
+    return type == KTK_Q4_K ? b[64 + 16 * s + r] : (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)];
+}
+static inline int r16_q4k_min(const uint8_t *b, int r, int s) { return b[192 + 32 * (s / 2) + 2 * r + (s & 1)]; }
+
+/* rows r < 16 of a group -> dst[r * ld + k] (the grouped paths' f32 rows, tests): GGML's floats */
 void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, int64_t ld) {
-    const int gb = group_bytes(type);
-    const int64_t nb = n / ktk_type_block(type);
-    for (int64_t i = 0; i < nb; i++, g += gb) {
+    const int gb = group_bytes(type), B = ktk_type_block(type);
+    for (int64_t i = 0; i < n / B; i++, g += gb)
         for (int r = 0; r < 16; r++) {
-            uint16_t h;
-            memcpy(&h, g + 2 * r, 2);
-            const float d = ktk_f16_to_f32(h);
-            if (type == KTK_Q4_K) {
-                memcpy(&h, g + 32 + 2 * r, 2);
-                const float dmin = ktk_f16_to_f32(h);
-                float *y = dst + r * ld + i * 256;
-                for (int s = 0; s < 8; s++) {
-                    const float ds = d * g[64 + 16 * s + r], ms = dmin * g[192 + 32 * (s / 2) + 2 * r + (s & 1)];
-                    for (int c = 4 * s; c < 4 * s + 4; c++)
-                        for (int k = 0; k < 4; k++) {
-                            uint8_t q = g[320 + 64 * c + 4 * r + k];
-                            y[8 * c + k] = ds * (float)(q & 0xF) - ms;
-                            y[8 * c + 4 + k] = ds * (float)(q >> 4) - ms;
-                        }
+            const float d = r16_f16(g + 2 * r);
+            float *y = dst + r * ld + i * B;
+            for (int v = 0; v < B; v++) {
+                const int q = r16_value(type, g, r, v);
+                switch (type) {
+                case KTK_Q4_K: y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)q - r16_f16(g + 32 + 2 * r) * (float)r16_q4k_min(g, r, v / 32); break;
+                case KTK_Q6_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 32); break;
+                case KTK_Q5_0: y[v] = d * (float)(q - 16); break;
+                default: y[v] = d * (float)(q - 128);
                 }
-            } else if (type == KTK_Q6_K) {
-                float *y = dst + r * ld + i * 256;
-                for (int c = 0; c < 32; c++) {
-                    const float ds = d * (float)(int8_t)g[32 + 32 * (c / 4) + 2 * r + (c / 2 & 1)];
-                    for (int k = 0; k < 4; k++) {
-                        uint8_t q = g[288 + 64 * c + 4 * r + k];
-                        int sh = 2 * (c % 4), hl = (g[2336 + 128 * (c / 4) + 4 * r + k] >> sh) & 3,
-                            hh = (g[2336 + 128 * (c / 4) + 64 + 4 * r + k] >> sh) & 3;
-                        y[8 * c + k] = ds * (float)((int)((q & 0xF) | hl << 4) - 32);
-                        y[8 * c + 4 + k] = ds * (float)((int)((q >> 4) | hh << 4) - 32);
-                    }
-                }
-            } else if (type == KTK_Q5_0) {
-                float *y = dst + r * ld + i * 32;
-                for (int c = 0; c < 4; c++)
-                    for (int k = 0; k < 4; k++) {
-                        int bit = 4 * r + k;
-                        uint8_t q = g[96 + 64 * c + 4 * r + k];
-                        int hl = (g[32 + 16 * c + bit / 8] >> (bit % 8)) & 1, hh = (g[32 + 16 * c + 8 + bit / 8] >> (bit % 8)) & 1;
-                        y[8 * c + k] = d * (float)((int)((q & 0xF) | hl << 4) - 16);
-                        y[8 * c + 4 + k] = d * (float)((int)((q >> 4) | hh << 4) - 16);
-                    }
-            } else {
-                float *y = dst + r * ld + i * 32;
-                for (int c = 0; c < 8; c++)
-                    for (int k = 0; k < 4; k++) y[4 * c + k] = d * (float)(int8_t)(g[32 + 64 * c + 4 * r + k] ^ 0x80);
             }
         }
-    }
 }
 
 /* ---- dots: out[p * 16 + r] = dot(row r of group g[p], activation record xq[p]) for p < P ----
@@ -260,62 +256,27 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
  * (several tokens: the block is then read again from L1). Both versions compute each block's
  * integer sums exactly and weight them in the same order. */
 
+/* one block of row r against its activations: integer sums exactly as the SIMD kernels, the same float steps */
 static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int64_t n, int64_t i) {
-    uint16_t h;
-    memcpy(&h, b + 2 * r, 2);
-    const float d = ktk_f16_to_f32(h);
-    if (type == KTK_Q4_K) {
+    const float d = r16_f16(b + 2 * r);
+    if (type == KTK_Q4_K || type == KTK_Q6_K) {
         const ktk_q8k *y = ktk_act_k(xq, n) + i;
+        const int S = type == KTK_Q4_K ? 32 : 16;   /* values per sub-block */
         int32_t si = 0, mi = 0;
-        for (int s = 0; s < 8; s++) {
-            int32_t lo = 0, hi = 0;
-            for (int c = 4 * s; c < 4 * s + 4; c++)
-                for (int k = 0; k < 4; k++) {
-                    uint8_t q = b[320 + 64 * c + 4 * r + k];
-                    lo += (q & 0xF) * y->q[8 * c + k];
-                    hi += (q >> 4) * y->q[8 * c + 4 + k];
-                }
-            si += (lo + hi) * b[64 + 16 * s + r];
-            mi += b[192 + 32 * (s / 2) + 2 * r + (s & 1)] * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
+        for (int s = 0; s < 256 / S; s++) {
+            int32_t dot = 0, bsum = 0;
+            for (int v = S * s; v < S * (s + 1); v++) dot += r16_value(type, b, r, v) * y->q[v];
+            for (int j = S * s / 16; j < S * (s + 1) / 16; j++) bsum += y->bsums[j];
+            si += dot * r16_scale(type, b, r, s);
+            mi += (type == KTK_Q4_K ? r16_q4k_min(b, r, s) : 32 * r16_scale(type, b, r, s)) * bsum;
         }
-        memcpy(&h, b + 32 + 2 * r, 2);
-        const float dmin = ktk_f16_to_f32(h);
-        return fmaf(-(float)mi, dmin * y->d, (float)si * (d * y->d));
-    }
-    if (type == KTK_Q6_K) {   /* sum_j sc_j * (q . y)_j - 32 * sum_j sc_j * bsums_j, in integers */
-        const ktk_q8k *y = ktk_act_k(xq, n) + i;
-        int32_t si = 0, ci = 0;
-        for (int j = 0; j < 16; j++) {
-            const int sc = (int8_t)b[32 + 32 * (j / 2) + 2 * r + (j & 1)];
-            int32_t s = 0;
-            for (int c = 2 * j; c < 2 * j + 2; c++)
-                for (int k = 0; k < 4; k++) {
-                    uint8_t q = b[288 + 64 * c + 4 * r + k];
-                    int sh = 2 * (c % 4), hl = (b[2336 + 128 * (c / 4) + 4 * r + k] >> sh) & 3,
-                        hh = (b[2336 + 128 * (c / 4) + 64 + 4 * r + k] >> sh) & 3;
-                    s += ((q & 0xF) | hl << 4) * y->q[8 * c + k] + ((q >> 4) | hh << 4) * y->q[8 * c + 4 + k];
-                }
-            si += s * sc;
-            ci += sc * y->bsums[j];
-        }
-        return (float)(si - 32 * ci) * (d * y->d);
+        if (type == KTK_Q6_K) return (float)(si - mi) * (d * y->d);   /* the -32 offset, as integers */
+        return fmaf(-(float)mi, r16_f16(b + 32 + 2 * r) * y->d, (float)si * (d * y->d));
     }
     const ktk_q8 *x = xq + i;
     int32_t si = 0;
-    if (type == KTK_Q5_0) {
-        for (int c = 0; c < 4; c++)
-            for (int k = 0; k < 4; k++) {
-                int bit = 4 * r + k;
-                uint8_t q = b[96 + 64 * c + 4 * r + k];
-                int hl = (b[32 + 16 * c + bit / 8] >> (bit % 8)) & 1, hh = (b[32 + 16 * c + 8 + bit / 8] >> (bit % 8)) & 1;
-                si += ((q & 0xF) | hl << 4) * x->q[8 * c + k] + ((q >> 4) | hh << 4) * x->q[8 * c + 4 + k];
-            }
-        si -= 16 * (x->s[0] + x->s[1]);
-    } else {
-        for (int c = 0; c < 8; c++)
-            for (int k = 0; k < 4; k++) si += b[32 + 64 * c + 4 * r + k] * x->q[4 * c + k];
-        si -= 128 * (x->s[0] + x->s[1]);
-    }
+    for (int v = 0; v < 32; v++) si += r16_value(type, b, r, v) * x->q[v];
+    si -= (type == KTK_Q5_0 ? 16 : 128) * (x->s[0] + x->s[1]);
     return (float)si * (d * x->d);
 }
 
