@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -118,6 +118,18 @@ for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
     print('prefill repack=$rp', {k: r[k] for k in ('quant', 'isa', 'threads', 'ms_per_layer', 'tflops')} if r else l.rstrip())" \
       | tee -a "$OUT/r16_ab.txt"
+  done
+fi
+if [[ $steps == *" r16e2e "* ]]; then   # V2-Lite decode end to end, R16 copies (auto) vs GGUF rows only, alternating
+  [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for rp in 0 auto; do
+      KTINJECT_REPACK=$rp timeout -s KILL 150 python3 -m ktinject bench /tmp/v2lite.gguf --rules deepseek-v2 --json \
+        --prompt-lengths 128 --decode-tokens 64 --repeat 2 --probe-gib 2 2>/dev/null | python3 -c "import sys, json; r = json.loads(sys.stdin.read())
+print('repack=$rp', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode', 'cpu_bandwidth_gbps', 'fraction')})" \
+        | tee -a "$OUT/r16e2e.txt"
+    done
   done
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
