@@ -152,6 +152,14 @@ def test_c_side_refuses_bad_r16_descriptors():
                               2, 8, 256, ffi.cast("uint8_t *", rg.data.data_ptr())) == lib.KTK_EINVAL   # 8 rows
 
 
+def test_repack_on_a_path_without_the_kernels_warns(caplog):
+    (gate, up, down), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2)
+    nmoe._warned.clear()                         # said once per process: earlier tests may have said it
+    with caplog.at_level("WARNING", logger="ktinject.native.moe"):
+        assert native.MoEKernel(gate, up, down, threads=1, isa="scalar", repack=True).repacked == ("gate", "up", "down")
+    assert "portable scalar loop" in caplog.text
+
+
 def test_repack_mode(monkeypatch):
     scalar, avx512 = native.ISAS.index("scalar"), native.ISAS.index("avx512")
     monkeypatch.delenv("KTINJECT_REPACK", raising=False)

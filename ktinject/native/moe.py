@@ -238,6 +238,9 @@ class MoEKernel:
                 _warn_once(f"routed experts not repacked (slower decode): the R16 copies need {nbytes / 2**20:.0f} MiB "
                            f"beside the GGUF pages the prefill path reads, more than this machine has to spare")
                 todo = []
+            if todo and self.isa < ISAS.index("avx512"):
+                _warn_once(f"repack: on with the {ISAS[self.isa]} path: its R16 dots are a portable scalar loop, "
+                           f"slower than the GGUF kernels (the R16 kernels need AVX-512 VNNI)")
             self.r16 = {name: repack_r16(m, self.pool) for name, m in todo}
         self.repacked: tuple[str, ...] = tuple(self.r16)
         desc = ffi.new("ktk_moe_desc *")
