@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -130,6 +130,22 @@ if [[ $steps == *" r16e2e "* ]]; then   # V2-Lite decode end to end, R16 copies 
 print('repack=$rp', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode', 'cpu_bandwidth_gbps', 'fraction')})" \
         | tee -a "$OUT/r16e2e.txt"
     done
+  done
+fi
+if [[ $steps == *" r16sweep "* ]]; then   # open questions: Q4_K gate/up from R16 copies (prefetch distance x segments),
+  # and Q6_K R16 at DeepSeek-V3's expert shape (its Q4_K_M down projections); one line per configuration, --trace phases
+  for cfg in "KTINJECT_REPACK=0" "KTINJECT_REPACK=1" "KTINJECT_REPACK=1 KTINJECT_R16_PF=2368" \
+             "KTINJECT_REPACK=1 KTINJECT_R16_PF=4736 KTINJECT_R16_SPLIT=1" "KTINJECT_REPACK=1 KTINJECT_R16_PF=2368 KTINJECT_R16_SPLIT=4" \
+             "KTINJECT_REPACK=0"; do
+    env $cfg timeout -s KILL 60 python3 -m ktinject bench experts --quant q4_k --batch 1 --threads 15 --gib 3 --probe-gib 1 \
+      --seconds 2 --json --trace 2>/dev/null | python3 -c "import sys, json; r = json.loads(sys.stdin.read().splitlines()[-1])
+print('q4_k $cfg', r['ms_per_layer'], r['fraction'], r['trace_us'])" | tee -a "$OUT/r16sweep.txt"
+  done
+  for rp in 0 1 0 1; do
+    KTINJECT_REPACK=$rp timeout -s KILL 90 python3 -m ktinject bench experts --quant q6_k --hidden 7168 --inter 2048 \
+      --experts 256 --topk 8 --batch 1 --threads 15 --gib 6 --probe-gib 1 --seconds 2 --json --trace 2>/dev/null \
+      | python3 -c "import sys, json; r = json.loads(sys.stdin.read().splitlines()[-1])
+print('q6_k V3 shape repack=$rp', r['ms_per_layer'], r['fraction'], r['trace_us'])" | tee -a "$OUT/r16sweep.txt"
   done
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
