@@ -75,7 +75,7 @@ def main() -> None:
     print("quant   " + "".join(f"{i:>18}" for i in isas) + (f"{'r16':>18}" if r16 else ""))  # noqa: T201
     for qt in quants:
         cells = [bench(qt, i, a.rows, a.n, a.seconds) for i in isas]
-        if r16 and qt in (QT.Q4_K, QT.Q5_0, QT.Q8_0, QT.Q6_K) and a.rows % 16 == 0:
+        if r16 and native.load()[0].ktk_r16_supported(int(qt)) and a.rows % 16 == 0:
             cells.append(bench(qt, r16 + "+r16", a.rows, a.n, a.seconds))
         print(f"{qt.name:<8}" + "".join(f"{k:10.1f} /{c:6.1f}" for k, c in cells), flush=True)  # noqa: T201
 

@@ -230,6 +230,23 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     }
 }
 
+/* R16 down: P (group, h record) pairs in one kernel call, each pair's 16 results weighted into its output rows */
+typedef struct {
+    int P;
+    float o[16 * KTK_R16_P], wv[KTK_R16_P];
+    const uint8_t *gs[KTK_R16_P];
+    const ktk_q8 *hs[KTK_R16_P];
+    float *dst[KTK_R16_P];
+} r16_batch;
+
+static void r16_down_flush(const ktk_moe *m, r16_batch *b) {
+    if (!b->P) return;
+    ktk_r16_dot(m->isa, m->d.down_type, b->P, b->gs, b->hs, m->d.inter, b->o);
+    for (int p = 0; p < b->P; p++)
+        for (int r = 0; r < 16; r++) b->dst[p][r] += b->wv[p] * b->o[16 * p + r];
+    b->P = 0;
+}
+
 static void phase_down(ktk_moe *m, int64_t c, int tid) {
     const ktk_moe_desc *d = &m->d;
     int64_t H = d->hidden, I = d->inter, r0 = c * m->rcd, rc = m->rcd;
@@ -239,33 +256,21 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     scratch_t s = {0, 0, 0, 0, 0, 0};
     if (d->down_r16) {   /* R16: the (expert, token) pairs of the row-dot experts, up to KTK_R16_P per call */
         const int64_t rb = ktk_r16_row_bytes(d->down_type, I);
-        float o[16 * KTK_R16_P], wv[KTK_R16_P];
-        const uint8_t *gs[KTK_R16_P];
-        const ktk_q8 *hs[KTK_R16_P];
-        float *dst[KTK_R16_P];
+        r16_batch b;
+        b.P = 0;
         for (int64_t q = 0; q < rc; q += 16) {
-            int P = 0;
             for (int64_t a = 0; a < m->nact; a++) {
                 int64_t e = m->act[a];
                 if (m->tile[e]) continue;
                 for (int64_t pos = m->off[e]; pos < m->off[e + 1]; pos++) {
-                    gs[P] = d->down_r16 + (e * H + r0 + q) * rb;
-                    hs[P] = (const ktk_q8 *)(m->hq + pos * ab);
-                    dst[P] = m->out + m->tok[pos] * H + r0 + q;
-                    wv[P++] = m->wt[pos];
-                    if (P == KTK_R16_P) {
-                        ktk_r16_dot(m->isa, d->down_type, P, gs, hs, I, o);
-                        for (int p = 0; p < P; p++)
-                            for (int r = 0; r < 16; r++) dst[p][r] += wv[p] * o[16 * p + r];
-                        P = 0;
-                    }
+                    b.gs[b.P] = d->down_r16 + (e * H + r0 + q) * rb;
+                    b.hs[b.P] = (const ktk_q8 *)(m->hq + pos * ab);
+                    b.dst[b.P] = m->out + m->tok[pos] * H + r0 + q;
+                    b.wv[b.P++] = m->wt[pos];
+                    if (b.P == KTK_R16_P) r16_down_flush(m, &b);
                 }
             }
-            if (P) {
-                ktk_r16_dot(m->isa, d->down_type, P, gs, hs, I, o);
-                for (int p = 0; p < P; p++)
-                    for (int r = 0; r < 16; r++) dst[p][r] += wv[p] * o[16 * p + r];
-            }
+            r16_down_flush(m, &b);
         }
     }
     for (int64_t a = 0; a < m->nact; a++) {

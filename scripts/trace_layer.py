@@ -47,23 +47,18 @@ def main() -> None:
     ids, w = random_routing(a.batch, E, K_TOP, 0)
     for _ in range(3):
         kern(x, ids, w)
-    lib, ffi = native.load()
-    out = ffi.new("double[8]")
-    if lib.ktk_pool_trace(pool.ptr, out, 8) < 5:
+    if native.pool_trace(pool) is None:          # also resets the sums
         raise SystemExit("the pool was created without KTINJECT_POOL_TRACE")
     n = a.calls or (20 if a.batch > 1 else 500)
     t0 = time.perf_counter()
     for _ in range(n):
         kern(x, ids, w)
     ms = (time.perf_counter() - t0) / n * 1e3
-    lib.ktk_pool_trace(pool.ptr, out, 8)
-    c = out[0]
-    ends = [out[5] / c, out[6] / c, out[7] / c, out[3] / c]
-    spans = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, 4)]
+    tr = native.pool_trace(pool)
     print(f"{qt.name} (down {dqt.name}) batch {a.batch}, {pool.threads} threads, isa {a.isa or 'best'}: "  # noqa: T201
-          f"{ms:.3f} ms per call; per job (us): pack/quantize tokens {spans[0]:.0f}, gate+up {spans[1]:.0f}, "
-          f"pack/quantize h {spans[2]:.0f}, down {spans[3]:.0f}; last worker started {out[2] / c:.0f} after the post")
-
+          f"{ms:.3f} ms per call; per job (us): pack/quantize tokens {tr['quantize_x']:.0f}, gate+up {tr['gate_up']:.0f}, "
+          f"pack/quantize h {tr['quantize_h']:.0f}, down {tr['down']:.0f}; last worker started "
+          f"{tr['last_worker_start']:.0f} after the post")
 
 if __name__ == "__main__":
     main()

@@ -128,25 +128,29 @@ def test_c_side_refuses_bad_r16_descriptors():
     lib, ffi = native.load()
     (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_K, E=2)
     rg, ru = native.repack_r16(gate), native.repack_r16(up)
+    (_, up8, _), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2, seed=5)       # a valid Q8_0 up and its R16 copy
+    ru8 = native.repack_r16(up8)
     keep = []
 
-    def desc(g16=rg, u16=ru, d16=None, dtype=None, up_type=None):
+    def desc(g16=rg, u16=ru, d16=None, up_m=up):
         dsc = ffi.new("ktk_moe_desc *")
-        dsc.gate_type, dsc.up_type, dsc.down_type = gate.ggml_type, up_type or up.ggml_type, dtype or down.ggml_type
+        dsc.gate_type, dsc.up_type, dsc.down_type = gate.ggml_type, up_m.ggml_type, down.ggml_type
         dsc.n_experts, dsc.hidden, dsc.inter = 2, 256, 512
-        dsc.gate, dsc.up, dsc.down = (ffi.cast("uint8_t *", m.data.data_ptr()) for m in (gate, up, down))
-        dsc.gate_rb, dsc.up_rb, dsc.down_rb = gate.data.shape[1], up.data.shape[1], down.data.shape[1]
+        dsc.gate, dsc.up, dsc.down = (ffi.cast("uint8_t *", m.data.data_ptr()) for m in (gate, up_m, down))
+        dsc.gate_rb, dsc.up_rb, dsc.down_rb = gate.data.shape[1], up_m.data.shape[1], down.data.shape[1]
         for name, m in (("gate_r16", g16), ("up_r16", u16), ("down_r16", d16)):
             setattr(dsc, name, ffi.cast("uint8_t *", m.data.data_ptr()) if m is not None else ffi.NULL)
         keep.append(dsc)
         return dsc
 
     err = ffi.new("int *")
-    ok = lib.ktk_moe_new(desc(), err)
-    assert ok != ffi.NULL and err[0] == 0
-    lib.ktk_moe_free(ok)
-    # gate without up; a Q5_K down (no R16 layout) with an R16 copy; gate and up of two types
-    for bad in (desc(u16=None), desc(d16=rg), desc(up_type=int(QT.Q8_0))):
+    for good in (desc(), desc(g16=None, u16=None, up_m=up8)):        # the Q8_0 up alone is valid GGUF rows
+        ok = lib.ktk_moe_new(good, err)
+        assert ok != ffi.NULL and err[0] == 0
+        lib.ktk_moe_free(ok)
+    # gate without up; a Q5_K down (no R16 layout) with an R16 copy; gate (Q4_K) and up (Q8_0) both
+    # repacked but of two types
+    for bad in (desc(u16=None), desc(d16=rg), desc(u16=ru8, up_m=up8)):
         assert lib.ktk_moe_new(bad, err) == ffi.NULL and err[0] == lib.KTK_EINVAL
     assert lib.ktk_r16_repack(ffi.NULL, int(QT.Q4_K), ffi.cast("uint8_t *", gate.data.data_ptr()), 144, 144 * 512,
                               2, 8, 256, ffi.cast("uint8_t *", rg.data.data_ptr())) == lib.KTK_EINVAL   # 8 rows
@@ -158,6 +162,14 @@ def test_repack_on_a_path_without_the_kernels_warns(caplog):
     with caplog.at_level("WARNING", logger="ktinject.native.moe"):
         assert native.MoEKernel(gate, up, down, threads=1, isa="scalar", repack=True).repacked == ("gate", "up", "down")
     assert "portable scalar loop" in caplog.text
+
+
+def test_repack_on_names_what_stays_in_gguf_rows(caplog):
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_K, E=2)
+    nmoe._warned.clear()
+    with caplog.at_level("WARNING", logger="ktinject.native.moe"):
+        assert native.MoEKernel(gate, up, down, threads=1, repack=True).repacked == ("gate", "up")
+    assert "down (down) stays in GGUF rows: GGML type 13 has no R16 layout" in caplog.text
 
 
 def test_repack_mode(monkeypatch):

@@ -167,7 +167,7 @@ def bench_experts(args) -> int:
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
                 if args.trace:
-                    _pool_trace(pool)                       # reset the sums
+                    native.pool_trace(pool)                 # reset the sums
                 n_calls, t0 = 0, time.perf_counter()
                 bytes_read = 0
                 while True:
@@ -189,7 +189,7 @@ def bench_experts(args) -> int:
                        "weight_set_gib": round(len(layers) * layer_bytes / GIB, 2),
                        "shape": {"hidden": H, "inter": I, "experts": E, "topk": k}}
                 if args.trace:
-                    row["trace_us"] = _pool_trace(pool)
+                    row["trace_us"] = native.pool_trace(pool) or {}
                 rows.append(row)
                 if args.json:
                     sys.stdout.write(json.dumps(row) + "\n")     # machine-readable: one object per line
@@ -198,21 +198,6 @@ def bench_experts(args) -> int:
     if not args.json:
         _table(rows)
     return 0
-
-
-def _pool_trace(pool) -> dict:
-    """The pool's trace since the last read, per job (microseconds): the four phases of a MoE layer
-    (native/moe.c) and the delay until the last worker started."""
-    from .. import native
-    lib, ffi = native.load()
-    out = ffi.new("double[8]")
-    if lib.ktk_pool_trace(pool.ptr, out, 8) < 8 or out[0] == 0:
-        return {}
-    c = out[0]
-    ends = [out[5] / c, out[6] / c, out[7] / c, out[3] / c]
-    spans = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, 4)]
-    return {"quantize_x": round(spans[0], 1), "gate_up": round(spans[1], 1), "quantize_h": round(spans[2], 1),
-            "down": round(spans[3], 1), "last_worker_start": round(out[2] / c, 1), "wait": round(out[4] / c, 1)}
 
 
 def _table(rows) -> None:

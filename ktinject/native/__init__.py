@@ -297,6 +297,23 @@ def dequant_rows(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int
     return out.view(-1)[:rows * n].view(rows, n)
 
 
+def pool_trace(pool: Pool) -> Optional[dict]:
+    """The pool's trace (KTINJECT_POOL_TRACE=1 when the pool was made) since the last read, then
+    reset: per job, microseconds in each phase of a MoE layer (native/moe.c: quantize / pack tokens,
+    gate+up, quantize / pack h, down), until the last worker started, and the caller's wait; plus
+    the job count. None when tracing is off or no job ran."""
+    lib, ffi = load()
+    out = ffi.new("double[8]")
+    if lib.ktk_pool_trace(pool.ptr, out, 8) < 8 or out[0] == 0:
+        return None
+    c = out[0]
+    ends = [out[5] / c, out[6] / c, out[7] / c, out[3] / c]
+    spans = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, 4)]
+    return {"jobs": int(c), "quantize_x": round(spans[0], 1), "gate_up": round(spans[1], 1),
+            "quantize_h": round(spans[2], 1), "down": round(spans[3], 1), "last_worker_start": round(out[2] / c, 1),
+            "wait": round(out[4] / c, 1)}
+
+
 def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[str] = None) -> float:
     lib, _ = load()
     v = float(lib.ktk_probe_read_gbps(pool.ptr, isa_index(isa_name), int(nbytes), int(reps)))
@@ -309,5 +326,5 @@ from .moe import MoEKernel, ExpertMatrix, repack_r16, r16_dequant, r16_gemv, r16
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
-           "probe_read_gbps", "row_bytes",
+           "pool_trace", "probe_read_gbps", "row_bytes",
            "usable_isas"]

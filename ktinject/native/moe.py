@@ -11,18 +11,17 @@ decides; `KTINJECT_REPACK=0` turns it off everywhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import logging
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..errors import NativeError
+from . import ISAS, Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
 
 log = logging.getLogger(__name__)
-from . import ISAS, Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -233,6 +232,14 @@ class MoEKernel:
                 return not r16_supported(m) and (mode == "on" or m.ggml_type in AUTO_TYPES)
             todo = ([("gate", gate), ("up", up)] if gate.ggml_type == up.ggml_type and ok(gate) and ok(up) else []) \
                 + ([("down", down)] if ok(down) else [])
+            if mode == "on":                     # asked for: say what stays in GGUF rows, and why
+                done = {role for role, _ in todo}
+                for role, m in (("gate", gate), ("up", up), ("down", down)):
+                    if role in done:
+                        continue
+                    why = r16_supported(m) or ("gate and up differ in type" if gate.ggml_type != up.ggml_type
+                                               else "gate and up are repacked together, and the other cannot be")
+                    _warn_once(f"repack: on: {role} ({m.name or 'expert matrix'}) stays in GGUF rows: {why}")
             nbytes = sum(m.n_experts * m.rows * r16_row_bytes(m.ggml_type, m.cols) for _, m in todo)
             if todo and mode == "auto" and not _ram_allows(2 * nbytes):
                 _warn_once(f"routed experts not repacked (slower decode): the R16 copies need {nbytes / 2**20:.0f} MiB "
