@@ -176,41 +176,108 @@ def test_signal_mode_choice(monkeypatch):
         assert hostfn._skip_level() == level
 
 
-@pytest.mark.gpu
-def test_gpu_doorbells_work_and_are_chosen(monkeypatch):
-    """On a GPU: the self-test passes, auto picks doorbells (the default stays host functions), and a stream-driven job (eager
-    and replayed from a graph) equals the Python-driven layer."""
+def test_signal_default_is_auto(monkeypatch):
     from ktinject.native import hostfn
-    assert hostfn.bells_usable(torch.device("cuda")) is None
-    monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", "auto")
-    assert hostfn.signal_mode(torch.device("cuda")) == "bell"
-    monkeypatch.delenv("KTINJECT_HOSTJOB_SIGNAL")
-    assert hostfn.signal_mode(torch.device("cuda")) == "hostfn"          # the default
+    monkeypatch.delenv("KTINJECT_HOSTJOB_SIGNAL", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)    # (CPU-only machines)
+    monkeypatch.setattr(hostfn, "bells_usable", lambda device: None)
+    assert hostfn.signal_mode(torch.device("cuda", 0)) == "bell"
+    monkeypatch.setattr(hostfn, "bells_usable", lambda device: "no stream memory operations")
+    assert hostfn.signal_mode(torch.device("cuda", 0)) == "hostfn"       # auto falls back quietly
     monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", "bell")
-    kernel = _kernel()
+    with pytest.raises(NativeError, match="doorbells do not work on cuda:0: no stream memory operations"):
+        hostfn.signal_mode(torch.device("cuda", 0))
+
+
+_HANDOFF_INTERP = """
+import torch
+from ktinject.operators.kernels.handoff_triton import handoff, combine, MAX_TOKENS
+from ktinject.errors import NativeError
+g = torch.Generator().manual_seed(0)
+for T, H, K, dt in ((1, 2048, 6, torch.float16), (3, 1000, 8, torch.float32), (MAX_TOKENS, 300, 2, torch.float16)):
+    h = torch.randn(T, H + 5, generator=g).to(dt)[:, :H]            # a strided view
+    ids = torch.randint(0, 64, (T, K), generator=g, dtype=torch.int32)
+    w = torch.rand(T, K, generator=g).to(dt)
+    x_o, ids_o, w_o = torch.zeros(T, H), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
+    flags = torch.zeros(32, dtype=torch.int32)
+    handoff(h, ids, w, x_o, ids_o, w_o, flags)
+    assert torch.equal(x_o, h.float()) and torch.equal(ids_o, ids.long()) and torch.equal(w_o, w.float())
+    assert flags.tolist() == [1] + [0] * 31
+    out = torch.randn(T, H, generator=g)
+    add = torch.randn(T, H, generator=g).to(dt)
+    flags[16] = 1
+    res = combine(out, flags[16:], dt, torch.device("cpu"), add)
+    assert res.dtype == dt and torch.equal(res, out.to(dt) + add), (res - (out.to(dt) + add)).abs().max()
+    assert int(flags[16]) == 0 and int(flags[0]) == 1
+    assert torch.equal(combine(out, flags[16:], torch.float32, torch.device("cpu")), out)
+for bad in (lambda: handoff(torch.zeros(MAX_TOKENS + 1, 8), torch.zeros(MAX_TOKENS + 1, 2, dtype=torch.int64),
+                            torch.zeros(MAX_TOKENS + 1, 2), torch.zeros(MAX_TOKENS + 1, 8),
+                            torch.zeros(MAX_TOKENS + 1, 2, dtype=torch.int64), torch.zeros(MAX_TOKENS + 1, 2),
+                            torch.zeros(32, dtype=torch.int32)),
+            lambda: handoff(torch.zeros(1, 8), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2),
+                            torch.zeros(1, 9), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2),
+                            torch.zeros(32, dtype=torch.int32)),
+            lambda: combine(torch.zeros(1, 8), torch.zeros(16, dtype=torch.int32), torch.float16,
+                            torch.device("cpu"), torch.zeros(1, 8))):
+    try:
+        bad()
+        raise SystemExit("accepted a bad hand-over")
+    except NativeError:
+        pass
+print("ok")
+"""
+
+
+def test_handoff_kernels_in_triton_interpreter():
+    """The zero-copy hand-over kernels' arithmetic (run by Triton's interpreter on CPU tensors):
+    x to float32 from a strided f16/f32 view, ids to int64, w to float32, `go` rung; the result
+    rounded to the activation dtype plus the shared experts, `done` cleared; bad shapes refused."""
+    pytest.importorskip("triton")
+    from ktinject.testing import run_in_triton_interpreter
+    run_in_triton_interpreter(_HANDOFF_INTERP)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("signal,zerocopy", [("bell", "1"), ("bell", "0"), ("hostfn", "1")])
+def test_gpu_stream_jobs_equal_the_layer(monkeypatch, signal, zerocopy):
+    """On a GPU: the self-tests pass, the default (auto) picks doorbells, and a stream-driven job
+    (eager and replayed from a graph; doorbells with and without the zero-copy hand-over, and
+    host functions) equals the Python-driven layer, converted to bf16 plus an added tensor."""
+    from ktinject.native import hostfn
     dev = torch.device("cuda")
+    assert hostfn.bells_usable(dev) is None
+    assert hostfn.zerocopy_usable(dev) is None
+    monkeypatch.delenv("KTINJECT_HOSTJOB_SIGNAL", raising=False)
+    assert hostfn.signal_mode(dev) == "bell"                             # the default
+    monkeypatch.setenv("KTINJECT_HOSTJOB_SIGNAL", signal)
+    monkeypatch.setenv("KTINJECT_HOSTJOB_ZEROCOPY", zerocopy)
+    kernel = _kernel()
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(1, 64, generator=g), torch.rand(1, 2, generator=g)
     ids = torch.randint(0, 8, (1, 2), generator=g)
-    ref = kernel.forward(x, ids, w)
+    add = torch.randn(1, 64, generator=g).to(torch.bfloat16)
     job = hostfn.HostJob(kernel, 1, 2, dev, "test.layer")
-    assert job.signal == "bell"
-    xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
+    assert job.signal == signal
+    assert job.zerocopy == (signal == "bell" and zerocopy == "1")
+    xd, idd, wd, addd = x.to(dev).to(torch.bfloat16), ids.to(dev), w.to(dev), add.to(dev)
+
+    def ref(scale):
+        return kernel.forward((x * scale).to(torch.bfloat16).float(), ids, w).to(torch.bfloat16) + add
 
     def step():
         job.submit(xd, idd, wd)
-        return job.sync() * 1.0
+        return job.sync(torch.bfloat16, addd)
     out = step()
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), ref)
+    assert torch.equal(out.cpu(), ref(1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gout = step()
     for i in range(3):
-        xd.copy_(x * (i + 1))
+        xd.copy_((x * (i + 2)).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.allclose(gout.cpu(), kernel.forward(x * (i + 1), ids, w), rtol=0, atol=0)
+        assert torch.equal(gout.cpu(), ref(i + 2))
     hostfn.raise_pending()
 
 

@@ -15,18 +15,21 @@ they are: a decode step with CPU experts replays as one graph.
 
 Two ways to signal the CPU (`signal_mode()`, env `KTINJECT_HOSTJOB_SIGNAL=hostfn|bell|auto`):
 
-* **hostfn** (the default): `cuLaunchHostFunc` nodes call `ktk_host_submit` / `ktk_host_sync` on
-  the driver's thread (the diagram above).
-* **bell** (opt-in; `auto` picks it where it works): no host functions. The stream sets a
-  page-locked word (`cuStreamWriteValue32`) after the input copies; the native dispatcher thread,
-  polling the armed jobs' words, runs the layer and sets a second word, which the stream waits
-  for (`cuStreamWaitValue32`) and clears before the output copy. A host function costs a round
-  trip through the driver's callback thread (an interrupt and a thread wake-up, each way); a
-  doorbell costs a few bus reads. Used after a self-test on the device (`bells_usable`): the
-  operations run, and a CUDA graph captures and replays them. Measured on the lent H200 + 16-core
-  Xeon (V2-Lite, docs/benchmarks.md): the round trips of a decode step without CPU work took
-  1.4 ms instead of ~2.5, but with the experts computed decode was no faster (49.8 vs 51.9
-  tok/s): the dispatcher spins a core, and the pool's last worker started later. Hence opt-in.
+* **bell** (the default, `auto`, where its self-test passes: `bells_usable`): no host functions.
+  The stream sets a page-locked word after the inputs; the native dispatcher thread, polling the
+  armed jobs' words, runs the layer and sets a second word, which the stream waits for
+  (`cuStreamWaitValue32`) and clears. A doorbell costs a few bus reads where a host function
+  costs a round trip through the driver's callback thread (an interrupt and a thread wake-up,
+  each way). With bells, jobs of at most 16 tokens (decode) also hand over without copies
+  (`zerocopy_usable`, kernels/handoff_triton.py): one kernel writes x, ids and w into the pinned
+  buffers and rings the bell, one kernel reads the result back, converts it, adds the shared
+  experts and clears `done`: two launches instead of nine stream operations per layer
+  (`KTINJECT_HOSTJOB_ZEROCOPY=0`: the copies, for A/B runs). Measured on the lent H200 + 16-core
+  Xeon, V2-Lite decode alternating (docs/benchmarks.md, eighth session): bells 82.0 and 85.7
+  tok/s, host functions 80.8 and 74.0.
+* **hostfn** (`KTINJECT_HOSTJOB_SIGNAL=hostfn`, and wherever bells fail their self-test):
+  `cuLaunchHostFunc` nodes call `ktk_host_submit` / `ktk_host_sync` on the driver's thread (the
+  diagram above).
 
 The CUDA driver API is reached through ctypes (`libcuda.so.1`, present wherever a CUDA GPU is
 usable); the host functions are C functions of the native library (native/hostjob.c), so no
@@ -147,9 +150,68 @@ def bells_usable(device: torch.device) -> Optional[str]:
     return why
 
 
+_ZEROCOPY: dict[int, Optional[str]] = {}   # CUDA device index -> None (zero-copy hand-over works) or why not
+
+
+def _zerocopy_max_tokens() -> int:
+    """Jobs of at most this many tokens hand over through pinned memory directly (bell signalling;
+    KTINJECT_HOSTJOB_ZEROCOPY=0 turns it off: copies, for A/B measurements)."""
+    from ..operators.kernels.handoff_triton import MAX_TOKENS
+    return 0 if os.environ.get("KTINJECT_HOSTJOB_ZEROCOPY", "1").strip() == "0" else MAX_TOKENS
+
+
+def zerocopy_usable(device: torch.device) -> Optional[str]:
+    """None when the zero-copy hand-over kernels (kernels/handoff_triton.py) work on `device`
+    (checked once per device, outside any capture: they compile, and their results and flags
+    reach host memory exactly), else why not."""
+    idx = cuda_index(device)
+    if idx in _ZEROCOPY:
+        return _ZEROCOPY[idx]
+    if torch.cuda.is_current_stream_capturing():
+        return "not checked yet (inside a CUDA graph capture)"
+    from ..operators.kernels import triton_available
+    if not triton_available():
+        _ZEROCOPY[idx] = "Triton is not installed"
+        return _ZEROCOPY[idx]
+    from ..operators.kernels.handoff_triton import combine, handoff
+    why = None
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode(0)          # the check reads its results back (engine warm-ups forbid that)
+        dev = torch.device("cuda", idx)
+        g = torch.Generator(device="cpu").manual_seed(7)
+        h = torch.randn(3, 1000, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 64, (3, 6), generator=g, dtype=torch.int32)
+        w = torch.rand(3, 6, generator=g).to(torch.float16)
+        x_o = torch.zeros(3, 1000, pin_memory=True)
+        ids_o = torch.zeros(3, 6, dtype=torch.int64, pin_memory=True)
+        w_o = torch.zeros(3, 6, pin_memory=True)
+        flags = torch.zeros(32, dtype=torch.int32, pin_memory=True)
+        out = torch.randn(3, 1000, generator=g).pin_memory()
+        add = torch.randn(3, 1000, generator=g).to(torch.bfloat16)
+        with torch.cuda.device(idx):
+            handoff(h.to(dev), ids.to(dev), w.to(dev), x_o, ids_o, w_o, flags)
+            torch.cuda.synchronize(idx)
+            if not (torch.equal(x_o, h.float()) and torch.equal(ids_o, ids.long()) and torch.equal(w_o, w.float())
+                    and int(flags[0]) == 1):
+                raise NativeError("the hand-over kernel's writes did not reach host memory exactly")
+            flags[16] = 1
+            res = combine(out, flags[16:], torch.bfloat16, dev, add.to(dev))
+            torch.cuda.synchronize(idx)
+            if not torch.equal(res.cpu(), out.to(torch.bfloat16) + add) or int(flags[16]) != 0:
+                raise NativeError("the combine kernel did not read host memory exactly")
+    except Exception as exc:                       # any failure: copies instead
+        why = str(exc) or type(exc).__name__
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    _ZEROCOPY[idx] = why
+    return why
+
+
 def signal_mode(device: torch.device) -> str:
-    """"bell" or "hostfn" for jobs on `device` (KTINJECT_HOSTJOB_SIGNAL, default hostfn)."""
-    want = os.environ.get("KTINJECT_HOSTJOB_SIGNAL", "hostfn").strip().lower() or "hostfn"
+    """"bell" or "hostfn" for jobs on `device` (KTINJECT_HOSTJOB_SIGNAL, default auto: doorbells
+    where their self-test passes)."""
+    want = os.environ.get("KTINJECT_HOSTJOB_SIGNAL", "auto").strip().lower() or "auto"
     if want not in SIGNALS:
         raise NativeError(f"KTINJECT_HOSTJOB_SIGNAL={want!r} is not one of {', '.join(SIGNALS)}")
     if want == "hostfn":
@@ -208,14 +270,25 @@ class HostJob:
             with torch.cuda.device(device):
                 self._go = driver().device_pointer(self.flags.data_ptr())
             self._done = self._go + 64
+        self.zerocopy = (self.signal == "bell" and self.skip != 2 and zerocopy_usable(device) is None
+                         and T <= _zerocopy_max_tokens())
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
-        """Record: copy the inputs (device tensors of this job's shape) to the pinned buffers,
-        then post the layer to the pool. x: [T, H] f32, ids: [T, k] i64, w: [T, k] f32."""
+        """Record: hand the inputs (device tensors of this job's shape, any float / integer dtype)
+        to the pinned buffers, then post the layer to the pool. x: [T, H], ids: [T, k], w: [T, k]."""
         if self.skip == 2:
             return
         drv = driver()
         with torch.cuda.device(self.device):        # the driver calls need this device's context
+            if self.zerocopy:                       # one kernel: the inputs, then the doorbell
+                from ..operators.kernels.handoff_triton import FLOAT_DTYPES, handoff
+                x, w = (t if t.dtype in FLOAT_DTYPES else t.to(torch.float32) for t in (x, w))
+                x, ids, w = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, ids, w))
+                handoff(x, ids, w, self.x, self.ids, self.w, self.flags)
+                return
+            x = x.to(torch.float32).contiguous()
+            ids = ids.to(torch.int64).contiguous()
+            w = w.to(torch.float32).contiguous()
             drv.bind(self._index)
             stream = torch.cuda.current_stream(self.device).cuda_stream
             for dst, src in ((self.x, x), (self.ids, ids), (self.w, w)):
@@ -226,11 +299,12 @@ class HostJob:
             else:
                 drv.check(drv.launch_host_func(stream, self._submit, self._job_addr), "cuLaunchHostFunc")
 
-    def sync(self) -> torch.Tensor:
-        """Record: wait for the pool, copy the result to the device. Returns the device buffer
-        (valid in stream order; the next call of this job overwrites it)."""
+    def sync(self, dtype: torch.dtype = torch.float32, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Record: wait for the pool, bring the result to the device. Returns a new tensor (valid
+        in stream order): the layer's output [T, H] in `dtype`, plus `add` when given."""
         if self.skip == 2:
-            return self.out_dev
+            out = self.out_dev.to(dtype) if dtype != torch.float32 else self.out_dev.clone()
+            return out if add is None else out + add
         from .cuda_driver import WAIT_EQ
         drv = driver()
         with torch.cuda.device(self.device):
@@ -238,9 +312,17 @@ class HostJob:
             stream = torch.cuda.current_stream(self.device).cuda_stream
             if self.signal == "bell":
                 drv.check(drv.wait_value32(stream, self._done, 1, WAIT_EQ), "cuStreamWaitValue32")
+                if self.zerocopy:                   # one kernel: read, convert, add, clear `done`
+                    from ..operators.kernels.handoff_triton import combine
+                    fits = add is None or (add.dtype == dtype and add.shape == self.out.shape and add.stride(1) == 1
+                                           and add.device == self.out_dev.device)
+                    out = combine(self.out, self.flags[16:], dtype, self.out_dev.device, add if fits else None)
+                    return out if fits else out + add
                 drv.check(drv.write_value32(stream, self._done, 0, 0), "cuStreamWriteValue32")
             else:
                 drv.check(drv.launch_host_func(stream, self._sync, self._job_addr), "cuLaunchHostFunc")
             drv.check(drv.memcpy_htod_async(self.out_dev.data_ptr(), self.out.data_ptr(), self.out.numel() * 4, stream),
                       "cuMemcpyHtoDAsync")
-        return self.out_dev
+            # a fresh tensor: the job's buffer is overwritten by the layer's next call
+            out = self.out_dev.to(dtype) if dtype != torch.float32 else self.out_dev.clone()
+        return out if add is None else out + add

@@ -271,29 +271,28 @@ class CpuExperts(Operator):
                 raise NativeError(f"{self.name or 'cpu_experts'}: hidden_states on {hidden_states.device}, "
                                   f"top_k_index on {top_k_index.device}, top_k_weights on {top_k_weights.device}: "
                                   f"a stream-ordered job needs them on one GPU")
-            job.submit(hidden_states.detach().to(torch.float32).contiguous(),
-                       top_k_index.detach().to(torch.int64).contiguous(),
-                       top_k_weights.detach().to(torch.float32).contiguous())
+            job.submit(hidden_states.detach(), top_k_index.detach(), top_k_weights.detach())
             self._pending = (job, hidden_states.dtype)
             return
         x, ids, w = self._inputs(hidden_states, top_k_index, top_k_weights)
         self.kernel.submit(x, ids, w)
         self._pending = (hidden_states.device, hidden_states.dtype)
 
-    def sync(self) -> torch.Tensor:
-        """Wait for the submitted work; the result [T, H] on the caller's device and dtype."""
+    def sync(self, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Wait for the submitted work; the result [T, H] on the caller's device and dtype, plus
+        `add` when given (the `moe` block's shared experts: summed in the same pass on CUDA)."""
         if self._pending is None:
             raise NativeError(f"{self.name or 'cpu_experts'}: sync() without submit()")
         where, dtype = self._pending
         self._pending = None
         if not isinstance(where, torch.device):          # a HostJob: recorded on the stream
-            out = where.sync()
-            # a fresh tensor: the job's buffer is overwritten by the layer's next call
-            return out.to(dtype) if dtype != torch.float32 else out.clone()
+            return where.sync(dtype, add)
         out = self.kernel.sync()
         if where.type == "cpu":
-            return out.to(dtype)
-        return out.to(device=where, non_blocking=True).to(dtype)      # copy, then convert on the device
+            out = out.to(dtype)
+        else:
+            out = out.to(device=where, non_blocking=True).to(dtype)      # copy, then convert on the device
+        return out if add is None else out + add
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -164,9 +164,12 @@ class OverlappedMoe(Operator):
         self.experts.submit(h, top_k_index, top_k_weights)                     # CPU starts now
         if self.family.shared_fn and not first:
             shared = self.family.shared_fn(self, h)                            # meanwhile, here
-        out = self.experts.sync()                                              # [T, H] on h's device
-        if shared is not None:
-            out = out + shared
+        if shared is not None and isinstance(self.experts, CpuExperts):
+            out = self.experts.sync(add=shared)                                # the sum in one pass
+        else:
+            out = self.experts.sync()                                          # [T, H] on h's device
+            if shared is not None:
+                out = out + shared
         return out.reshape(orig_shape)
 
     def _shared_first(self, h: torch.Tensor) -> bool:
