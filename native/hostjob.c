@@ -152,9 +152,7 @@ static void *bell_main(void *arg) {
         if (ktk_bell_poll()) { last = now_ns_(); continue; }
         long idle = now_ns_() - last;
         if (idle < spin_ns) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
+            ktk_relax();
             continue;
         }
         struct timespec ts = {0, idle < 100000000L ? 50000L : 1000000L};

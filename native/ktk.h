@@ -142,8 +142,10 @@ int ktk_bell_thread(void);
 /* ---- pool trace (KTINJECT_POOL_TRACE=1 at pool creation): sums since the last read, then reset.
  * out[0] jobs, out[1] us from post to the first worker starting, out[2] us to the last worker
  * starting, out[3] us from post to done, out[4] us the caller spent in wait, out[5..7] us from
- * post to the end of phases 0..2. Fills min(n, 8) values and returns that count (>= 5), or 0 when
- * tracing is off. */
+ * post to the end of phases 0..2, out[8] the most us any job's last worker started after its
+ * post, out[9] the jobs whose last worker started 20 us or more after the post, out[10 + i] how
+ * many of those worker i was the last to start. Fills min(n, 10 + threads) values and returns
+ * that count (>= 5), or 0 when tracing is off. */
 int ktk_pool_trace(ktk_pool *p, double *out, int n);
 /* Pin the calling thread to the CPUs of the pool's affinity mask that no worker uses (the
  * threads that drive a GPU then never take a worker's core); returns their count, 0 = none. */

@@ -136,4 +136,17 @@ int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const
 int ktk_pool_wait(ktk_pool *p);
 void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes);   /* per-thread scratch, grows */
 
+/* Spin-wait step of the pool, its callers and the doorbell dispatcher. KTINJECT_SPIN_PAUSE=0
+ * (read once, by the first pool made) spins on plain loads instead of the PAUSE instruction: in a
+ * virtual machine whose hypervisor uses pause-loop exiting, a vCPU seen pausing for long is
+ * descheduled, and a worker that waited out a gap between layers then starts the next layer
+ * late (an A/B knob for the lent machine; the default keeps PAUSE). */
+extern int ktk_spin_pause;
+static inline void ktk_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (ktk_spin_pause) { __builtin_ia32_pause(); return; }
+#endif
+    __asm__ __volatile__("" ::: "memory");
+}
+
 #endif

@@ -2,13 +2,16 @@
  *
  * `n` pinned workers run every job; the submitting thread never spins on a core the workers
  * need: it posts the job (bumps a generation word and wakes sleepers) and later waits on a
- * futex. A job is a few phases of independent items, claimed with an atomic counter (dynamic
- * balance: a descheduled worker only delays its current item); between phases workers meet at
- * a barrier (spin with pause, then yield). Idle workers spin for a while (KTINJECT_SPIN_US, default
- * 1000 us: the next MoE layer usually arrives sooner), yielding the CPU every few microseconds so
- * a runnable caller on their core is not starved, then sleep on the futex. The caller waits the
- * same way: short pause loops with sched_yield between them, then the futex (futex wake-ups are
- * slow in some VMs). */
+ * futex. A job is a few phases of independent items. Items are claimed from a per-phase counter
+ * that carries the job's generation (a compare-and-swap: a worker still busy with, or late for,
+ * an older job can never claim an item of a newer one), and a phase ends when all its items are
+ * *completed*, not when every worker has arrived: a worker that is descheduled, asleep or late
+ * for a job delays nobody (its share is claimed by the others), and one that arrives after the
+ * job is done finds nothing to claim and goes back to waiting. Idle workers spin for a while
+ * (KTINJECT_SPIN_US, default 1000 us: the next MoE layer usually arrives sooner), yielding the
+ * CPU every few microseconds so a runnable caller on their core is not starved, then sleep on
+ * the futex. The caller waits the same way: short pause loops with sched_yield between them,
+ * then the futex (futex wake-ups are slow in some VMs). */
 #define _GNU_SOURCE
 #include "ktk_int.h"
 #include <pthread.h>
@@ -30,17 +33,17 @@ struct ktk_pool {
     pthread_t *th;
     int *cpu;                           /* cpu of each worker, -1: not pinned */
     int spare[64], nspare;              /* CPUs of the affinity mask no worker is pinned to (first 64) */
-    _Atomic uint32_t gen, done, stop;
+    _Atomic uint32_t gen, stop;         /* gen: the generation of the last job posted */
+    _Atomic uint32_t done;              /* the generation of the last job completed */
     _Atomic int sleepers;
-    ktk_item_fn fn;
+    ktk_item_fn fn;                     /* fn, ctx: read only by a worker holding a claimed item */
     void *ctx;
-    int nphase;
+    _Atomic int nphase;
     _Atomic int busy;                   /* a job posted and not yet waited for; claimed by compare-and-swap,
                                          * so two threads posting at once cannot both get the pool */
-    int64_t items[MAX_PHASES];
-    _Atomic int64_t next[MAX_PHASES];
-    _Atomic int arrived[MAX_PHASES];
-    _Atomic int finished;
+    _Atomic int64_t items[MAX_PHASES];
+    _Atomic uint64_t claim[MAX_PHASES]; /* generation << 32 | the next item to claim */
+    _Atomic int64_t completed[MAX_PHASES];
     void **scratch;
     size_t *scratch_size;
     long spin_ns;
@@ -48,8 +51,12 @@ struct ktk_pool {
     int trace;
     long t_post, t_done, t_phase[MAX_PHASES];
     _Atomic long t_first, t_last;
-    double tr[8];
+    _Atomic int t_last_tid;             /* the worker that started last (the one that moved t_last) */
+    double tr[10];                      /* see ktk_pool_trace */
+    double *late_by;                    /* per worker: jobs it started LATE_NS after the post or later, last */
 };
+
+#define LATE_NS 20000L
 
 struct worker_arg { ktk_pool *p; int tid; };
 
@@ -59,10 +66,13 @@ static void futex_wait(_Atomic uint32_t *addr, uint32_t val) {
 static void futex_wake(_Atomic uint32_t *addr) {
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+int ktk_spin_pause = 1;
+static void spin_init(void) {
+    static int done;
+    if (done) return;
+    const char *s = getenv("KTINJECT_SPIN_PAUSE");
+    ktk_spin_pause = !(s && s[0] == '0' && s[1] == 0);
+    done = 1;
 }
 static long now_ns(void) {
     struct timespec ts;
@@ -70,32 +80,60 @@ static long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-static void trace_start(ktk_pool *p) {
+static void trace_start(ktk_pool *p, int tid) {
     long t = now_ns(), cur = 0;
     atomic_compare_exchange_strong(&p->t_first, &cur, t);
     cur = atomic_load(&p->t_last);
-    while (cur < t && !atomic_compare_exchange_weak(&p->t_last, &cur, t)) {}
+    while (cur < t) {
+        if (atomic_compare_exchange_weak(&p->t_last, &cur, t)) { atomic_store(&p->t_last_tid, tid); break; }
+    }
 }
 
-static void run_job(ktk_pool *p, int tid) {
-    if (p->trace) trace_start(p);
-    for (int ph = 0; ph < p->nphase; ph++) {
-        int64_t i;
-        while ((i = atomic_fetch_add_explicit(&p->next[ph], 1, memory_order_relaxed)) < p->items[ph])
-            p->fn(p->ctx, ph, i, tid);
-        if (ph + 1 < p->nphase) {
-            if (atomic_fetch_add_explicit(&p->arrived[ph], 1, memory_order_acq_rel) == p->n - 1 && p->trace)
-                p->t_phase[ph] = now_ns();           /* the last to arrive ends the phase */
-            long spins = 0;
-            while (atomic_load_explicit(&p->arrived[ph], memory_order_acquire) < p->n)
-                if (++spins & 0x3ff) cpu_relax(); else sched_yield();
+/* Claim the next item of phase `ph` of job `g`: its index, -1 when the phase has none left,
+ * -2 when job g is no longer the posted one (a newer job reset the counter). */
+static int64_t claim_item(ktk_pool *p, int ph, uint32_t g) {
+    uint64_t v = atomic_load_explicit(&p->claim[ph], memory_order_acquire);
+    for (;;) {
+        if ((uint32_t)(v >> 32) != g) return -2;
+        int64_t i = (int64_t)(uint32_t)v;
+        if (i >= atomic_load_explicit(&p->items[ph], memory_order_relaxed)) return -1;
+        if (atomic_compare_exchange_weak_explicit(&p->claim[ph], &v, v + 1, memory_order_acq_rel, memory_order_acquire))
+            return i;
+    }
+}
+
+/* Mark job g done (generations only move forward: a late worker cannot undo a newer job's mark). */
+static void mark_done(ktk_pool *p, uint32_t g) {
+    uint32_t cur = atomic_load(&p->done);
+    while ((int32_t)(g - cur) > 0) {
+        if (atomic_compare_exchange_weak(&p->done, &cur, g)) {
+            if (p->trace) p->t_done = now_ns();
+            futex_wake(&p->done);
+            return;
         }
     }
-    if (atomic_fetch_add_explicit(&p->finished, 1, memory_order_acq_rel) == p->n - 1) {
-        if (p->trace) p->t_done = now_ns();
-        atomic_store_explicit(&p->done, 1, memory_order_release);
-        futex_wake(&p->done);
+}
+
+static void run_job(ktk_pool *p, int tid, uint32_t g) {
+    if (p->trace && atomic_load(&p->gen) == g) trace_start(p, tid);
+    int nphase = atomic_load_explicit(&p->nphase, memory_order_relaxed);
+    for (int ph = 0; ph < nphase; ph++) {
+        int64_t i;
+        while ((i = claim_item(p, ph, g)) >= 0) {
+            p->fn(p->ctx, ph, i, tid);          /* job g stays posted until this item is counted */
+            int64_t c = atomic_fetch_add_explicit(&p->completed[ph], 1, memory_order_acq_rel) + 1;
+            if (c == atomic_load_explicit(&p->items[ph], memory_order_relaxed) && p->trace) p->t_phase[ph] = now_ns();
+        }
+        if (i == -2) return;                    /* a newer job: nothing of g is left to do */
+        /* the phase's items are all claimed: wait until they are all done (or g is over) */
+        long spins = 0;
+        while (atomic_load_explicit(&p->completed[ph], memory_order_acquire)
+               < atomic_load_explicit(&p->items[ph], memory_order_relaxed)) {
+            if (atomic_load_explicit(&p->gen, memory_order_relaxed) != g) return;
+            if (++spins & 0x3ff) ktk_relax(); else sched_yield();
+        }
     }
+    if (atomic_load_explicit(&p->gen, memory_order_acquire) == g) mark_done(p, g);
 }
 
 static void *worker(void *arg) {
@@ -113,7 +151,7 @@ static void *worker(void *arg) {
             long t0 = now_ns();
             int k = 0;
             while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
-                cpu_relax();
+                ktk_relax();
                 if (++k == 64) {
                     k = 0;
                     sched_yield();          /* let a runnable caller (Python, GPU launches) have the core */
@@ -129,7 +167,7 @@ static void *worker(void *arg) {
         }
         if (atomic_load(&p->stop)) break;
         seen = g;
-        run_job(p, tid);
+        run_job(p, tid, g);
     }
     return NULL;
 }
@@ -163,11 +201,13 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     p->cpu = calloc((size_t)nthreads, sizeof *p->cpu);
     p->scratch = calloc((size_t)nthreads, sizeof *p->scratch);
     p->scratch_size = calloc((size_t)nthreads, sizeof *p->scratch_size);
+    p->late_by = calloc((size_t)nthreads, sizeof *p->late_by);
+    spin_init();
     const char *s = getenv("KTINJECT_SPIN_US");
     p->spin_ns = (s ? atol(s) : 1000) * 1000L;
     s = getenv("KTINJECT_POOL_TRACE");
     p->trace = s && *s && *s != '0';
-    if (!p->th || !p->cpu || !p->scratch || !p->scratch_size) { ktk_pool_free(p); return NULL; }
+    if (!p->th || !p->cpu || !p->scratch || !p->scratch_size || !p->late_by) { ktk_pool_free(p); return NULL; }
     if (pin && nthreads < ncpu)
         for (int c = nthreads; c < ncpu && p->nspare < 64; c++) p->spare[p->nspare++] = cpus[c];
     for (int i = 0; i < nthreads; i++) {
@@ -202,7 +242,7 @@ void ktk_pool_free(ktk_pool *p) {
         if (p->th && p->th[i]) pthread_join(p->th[i], NULL);
     if (p->scratch)
         for (int i = 0; i < p->n; i++) free(p->scratch[i]);
-    free(p->scratch); free(p->scratch_size); free(p->th); free(p->cpu);
+    free(p->scratch); free(p->scratch_size); free(p->th); free(p->cpu); free(p->late_by);
     free(p);
 }
 
@@ -221,35 +261,40 @@ void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes) {
 
 int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items) {
     if (!p || nphase < 1 || nphase > MAX_PHASES) return KTK_EINVAL;
+    for (int i = 0; i < nphase; i++)
+        if (items[i] < 0 || items[i] > INT32_MAX) return KTK_EINVAL;
     int idle = 0;
     if (!atomic_compare_exchange_strong(&p->busy, &idle, 1)) return KTK_EBUSY;
-    p->fn = fn; p->ctx = ctx; p->nphase = nphase;
+    uint32_t g = atomic_load(&p->gen) + 1;
+    /* the claim counters first: from here on no worker of an older job can claim anything */
+    for (int i = 0; i < MAX_PHASES; i++) atomic_store(&p->claim[i], (uint64_t)g << 32);
+    p->fn = fn; p->ctx = ctx;
+    atomic_store_explicit(&p->nphase, nphase, memory_order_relaxed);
     for (int i = 0; i < nphase; i++) {
-        p->items[i] = items[i];
-        atomic_store_explicit(&p->next[i], 0, memory_order_relaxed);
-        atomic_store_explicit(&p->arrived[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&p->items[i], items[i], memory_order_relaxed);
+        atomic_store_explicit(&p->completed[i], 0, memory_order_relaxed);
     }
-    atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
-    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     if (p->trace) { atomic_store(&p->t_first, 0); atomic_store(&p->t_last, 0); p->t_post = now_ns(); }
-    atomic_fetch_add(&p->gen, 1);   /* seq_cst: ordered before the sleepers load */
+    atomic_store(&p->gen, g);       /* seq_cst: publishes the job, ordered before the sleepers load */
     if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen);
     return KTK_OK;
 }
 
 int ktk_pool_wait(ktk_pool *p) {
     if (!p || !atomic_load(&p->busy)) return KTK_OK;
+    uint32_t g = atomic_load(&p->gen);
     long t0 = now_ns();
     int k = 0;
-    while (!atomic_load_explicit(&p->done, memory_order_acquire)) {
-        cpu_relax();
+    uint32_t d;
+    while ((d = atomic_load_explicit(&p->done, memory_order_acquire)) != g) {
+        ktk_relax();
         if (++k == 64) {
             k = 0;
             if (now_ns() - t0 > p->spin_ns) break;
             sched_yield();
         }
     }
-    while (!atomic_load_explicit(&p->done, memory_order_acquire)) futex_wait(&p->done, 0);
+    while ((d = atomic_load_explicit(&p->done, memory_order_acquire)) != g) futex_wait(&p->done, d);
     atomic_store(&p->busy, 0);
     if (p->trace) {
         long t1 = now_ns();
@@ -258,8 +303,16 @@ int ktk_pool_wait(ktk_pool *p) {
         p->tr[2] += (atomic_load(&p->t_last) - p->t_post) / 1e3;
         p->tr[3] += (p->t_done - p->t_post) / 1e3;
         p->tr[4] += (t1 - t0) / 1e3;
+        int nphase = atomic_load(&p->nphase);
         for (int ph = 0; ph < 3; ph++)
-            p->tr[5 + ph] += ph + 1 < p->nphase ? (p->t_phase[ph] - p->t_post) / 1e3 : 0;
+            p->tr[5 + ph] += ph + 1 < nphase ? (p->t_phase[ph] - p->t_post) / 1e3 : 0;
+        long late = atomic_load(&p->t_last) - p->t_post;
+        if (late / 1e3 > p->tr[8]) p->tr[8] = late / 1e3;
+        if (late >= LATE_NS) {
+            p->tr[9] += 1;
+            int tid = atomic_load(&p->t_last_tid);
+            if (tid >= 0 && tid < p->n) p->late_by[tid] += 1;
+        }
     }
     return KTK_OK;
 }
@@ -274,8 +327,9 @@ int ktk_pool_pin_outside(ktk_pool *p) {
 
 int ktk_pool_trace(ktk_pool *p, double *out, int n) {
     if (!p || !p->trace || !out || n < 5) return 0;
-    int m = n < 8 ? n : 8;
-    for (int i = 0; i < m; i++) { out[i] = p->tr[i]; p->tr[i] = 0; }
-    for (int i = m; i < 8; i++) p->tr[i] = 0;
+    int m = n < 10 + p->n ? n : 10 + p->n;
+    for (int i = 0; i < m; i++) out[i] = i < 10 ? p->tr[i] : p->late_by[i - 10];
+    memset(p->tr, 0, sizeof p->tr);
+    memset(p->late_by, 0, (size_t)p->n * sizeof *p->late_by);
     return m;
 }

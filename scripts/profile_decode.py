@@ -28,14 +28,15 @@ from ktinject.generate import generate  # noqa: E402
 
 
 def trace(pool):
-    lib, ffi = native.load()
-    out = ffi.new("double[8]")
-    if lib.ktk_pool_trace(pool.ptr, out, 8) < 5 or out[0] == 0:
+    t = native.pool_trace(pool)
+    if t is None:
         return "trace off"
-    n = out[0]
-    return (f"{int(n)} jobs: first worker {out[1] / n:.0f} us, last worker {out[2] / n:.0f} us, phases end "
-            f"{out[5] / n:.0f}/{out[6] / n:.0f}/{out[7] / n:.0f} us, done {out[3] / n:.0f} us after post; "
-            f"caller waited {out[4] / n:.0f} us")
+    late = ", ".join(f"worker {w}: {c}" for w, c in sorted(t["late_by"].items(), key=lambda kv: -kv[1])[:6])
+    return (f"{t['jobs']} jobs: first worker {t['first_worker_start']:.0f} us, last worker {t['last_worker_start']:.0f} us "
+            f"(at most {t['last_worker_max']:.0f}; {t['late_jobs']} jobs' last worker >= 20 us late{': ' + late if late else ''}), "
+            f"phases end {t['quantize_x']:.0f}/{t['quantize_x'] + t['gate_up']:.0f}/"
+            f"{t['quantize_x'] + t['gate_up'] + t['quantize_h']:.0f} us, done {t['done']:.0f} us after post; "
+            f"caller waited {t['wait']:.0f} us")
 
 
 def thread_cpu():

@@ -15,6 +15,7 @@ Weights are Gaussian values through the real quantizers (gguf-py, ktinject.weigh
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -201,6 +202,35 @@ def test_layers_share_one_pool():
         y1, y2 = k1(x, ids, w), k2(x, ids, w)
     assert rel_err(y2, ref_moe(x, ids, w, *dense2)) < 1e-4
     assert rel_err(y1, ref_moe(x, ids, w, *dense1)) < 4e-2
+
+
+def test_oversubscribed_pool_loses_and_repeats_no_item(monkeypatch):
+    """Eight unpinned workers on this machine's few cores, jobs back to back and with gaps: workers
+    are late for jobs, miss whole jobs and arrive after a job is done (phases end on completed
+    items, claims carry the job's generation); every result must still equal the reference
+    exactly, run after run. The pool's trace counts the jobs and names late workers by index."""
+    monkeypatch.setenv("KTINJECT_POOL_TRACE", "1")
+    pool = native.Pool(8, pin=False)
+    (g, u, d), _ = moe_case(QT.Q8_0, QT.Q8_0, E=16, H=512, I=256, seed=11)
+    kern = native.MoEKernel(g, u, d, pool=pool)
+    single = native.MoEKernel(g, u, d, pool=native.Pool(1))
+    gen = torch.Generator().manual_seed(5)
+    cases = []
+    for T in (1, 1, 3, 1, 7):
+        x = torch.randn(T, 512, generator=gen)
+        ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(T)])
+        cases.append((x, ids, torch.rand(T, 4, generator=gen), None))
+    cases = [(x, ids, w, single(x, ids, w)) for x, ids, w, _ in cases]
+    native.pool_trace(pool)                                  # reset
+    for r in range(60):
+        x, ids, w, want = cases[r % len(cases)]
+        assert torch.equal(kern(x, ids, w), want), f"run {r}"
+        if r % 3 == 0:
+            time.sleep(0.0003)                               # workers spin, yield, some go to sleep
+    tr = native.pool_trace(pool)
+    assert tr["jobs"] == 60 and tr["last_worker_max"] >= tr["last_worker_start"] >= tr["first_worker_start"] >= 0
+    assert set(tr["late_by"]) <= set(range(8)) and sum(tr["late_by"].values()) == tr["late_jobs"] <= 60
+    assert native.pool_trace(pool) is None                   # read and reset: nothing since
 
 
 def test_empty_batch():

@@ -300,18 +300,25 @@ def dequant_rows(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int
 def pool_trace(pool: Pool) -> Optional[dict]:
     """The pool's trace (KTINJECT_POOL_TRACE=1 when the pool was made) since the last read, then
     reset: per job, microseconds in each phase of a MoE layer (native/moe.c: quantize / pack tokens,
-    gate+up, quantize / pack h, down), until the last worker started, and the caller's wait; plus
-    the job count. None when tracing is off or no job ran."""
+    gate+up, quantize / pack h, down), until the first and the last worker started, from post to
+    done, and the caller's wait; the job count; the latest any job's last worker started
+    (`last_worker_max`), how many jobs' last worker started 20 us or more after the post
+    (`late_jobs`) and which workers those were ({worker: jobs}, `late_by`: one worker for most
+    means something else runs on its core). None when tracing is off or no job ran."""
     lib, ffi = load()
-    out = ffi.new("double[8]")
-    if lib.ktk_pool_trace(pool.ptr, out, 8) < 8 or out[0] == 0:
+    n = 10 + pool.threads
+    out = ffi.new("double[]", n)
+    if lib.ktk_pool_trace(pool.ptr, out, n) < n or out[0] == 0:
         return None
     c = out[0]
     ends = [out[5] / c, out[6] / c, out[7] / c, out[3] / c]
     spans = [ends[0]] + [ends[i] - ends[i - 1] for i in range(1, 4)]
     return {"jobs": int(c), "quantize_x": round(spans[0], 1), "gate_up": round(spans[1], 1),
-            "quantize_h": round(spans[2], 1), "down": round(spans[3], 1), "last_worker_start": round(out[2] / c, 1),
-            "wait": round(out[4] / c, 1)}
+            "quantize_h": round(spans[2], 1), "down": round(spans[3], 1),
+            "first_worker_start": round(out[1] / c, 1), "last_worker_start": round(out[2] / c, 1),
+            "last_worker_max": round(out[8], 1), "late_jobs": int(out[9]),
+            "late_by": {i: int(out[10 + i]) for i in range(pool.threads) if out[10 + i]},
+            "done": round(out[3] / c, 1), "wait": round(out[4] / c, 1)}
 
 
 def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[str] = None) -> float:
