@@ -37,6 +37,8 @@ class ModelBench:
     decode_tokens_per_s_incl_warmup: float = 0.0      # the first run's whole decode, those one-time costs included
     decode_runs: list = field(default_factory=list)   # each run's steady tokens/s (spread: machine noise)
     decode_mode: str = ""
+    decode_handover: str = ""                         # how decode handed its MoE layers to the CPU
+                                                      # (native/hostfn.py: bell+zerocopy, bell, hostfn; "": Python)
     cpu_expert_bytes_per_token: int = 0
     cpu_dense_bytes_per_token: int = 0
     gpu_bytes_per_token: int = 0
@@ -164,6 +166,8 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
         if i == 0:
             res.decode_tokens_per_s_incl_warmup = round(r.decode_tokens_per_s, 2)
             res.decode_mode = str(getattr(r, "decode_mode", ""))
+            from .native.hostfn import handover_of
+            res.decode_handover = handover_of(model)
     res.decode_tokens_per_s = round(statistics.median(res.decode_runs), 2)
     say("measuring the machine")
     res.cpu_expert_bytes_per_token, res.threads = cpu_expert_bytes_per_token(model)

@@ -201,9 +201,9 @@ def main():
             dt = time.perf_counter() - t0
             print(f"{label} threads over {dt:.2f} s:", busy_threads(before, thread_cpu(), dt))
             print(f"{label} machine: {counters_delta(counters, cpu_counters(), dt)}")
-            signals = sorted({j.signal for m in model.modules() for j in getattr(m, "_jobs", {}).values()
-                              if hasattr(j, "signal")})
-            print(f"{label}: jobs signalled by {signals or 'python'}, {native.load()[0].ktk_bell_rings()} bell rings")
+            from ktinject.native.hostfn import handover_of
+            print(f"{label}: jobs hand over by {handover_of(model) or 'python'}, "
+                  f"{native.load()[0].ktk_bell_rings()} bell rings")
             print(f"{label}: decode {r.decode_tokens_per_s:.1f} tok/s ({1e3 / r.decode_tokens_per_s:.2f} ms/token, "
                   f"{r.decode_mode}); per layer: {trace(pool)}")
         finally:

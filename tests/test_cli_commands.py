@@ -81,6 +81,29 @@ def test_doctor(capsys):
         assert word in out
 
 
+def test_doctor_says_how_decode_hands_over(monkeypatch):
+    """The hand-over row: each outcome of the self-tests and knobs, with the reason (CUDA faked)."""
+    import torch
+    from ktinject.cli.doctor import _handover
+    from ktinject.native import hostfn
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _handover().startswith("no CUDA")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hostfn, "available", lambda: True)
+    monkeypatch.setattr(hostfn, "signal_mode", lambda dev: "bell")
+    monkeypatch.setattr(hostfn, "zerocopy_usable", lambda dev: None)
+    monkeypatch.delenv("KTINJECT_HOSTJOB_ZEROCOPY", raising=False)
+    assert _handover() == "doorbells, zero-copy kernels"
+    monkeypatch.setenv("KTINJECT_HOSTJOB_ZEROCOPY", "0")
+    assert _handover() == "doorbells, copies (KTINJECT_HOSTJOB_ZEROCOPY=0)"
+    monkeypatch.delenv("KTINJECT_HOSTJOB_ZEROCOPY")
+    monkeypatch.setattr(hostfn, "zerocopy_usable", lambda dev: "Triton is not installed")
+    assert _handover() == "doorbells, copies (zero-copy unusable: Triton is not installed)"
+    monkeypatch.setattr(hostfn, "signal_mode", lambda dev: "hostfn")
+    monkeypatch.setattr(hostfn, "bells_usable", lambda dev: "no stream memory operations")
+    assert _handover() == "host functions (doorbells unusable: no stream memory operations)"
+
+
 def test_cpu_flags_parser(tmp_path):
     from ktinject.cli.doctor import cpu_flags
     f = tmp_path / "cpuinfo"

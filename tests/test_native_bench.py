@@ -53,6 +53,7 @@ def test_bench_model_json_on_the_cpu(capsys, tmp_path):
     assert set(res["prefill"]) == {"16", "40"} and all(v > 0 for v in res["prefill"].values())
     assert len(res["decode_runs"]) == 3 and res["decode_tokens_per_s"] == round(median(res["decode_runs"]), 2)
     assert res["decode_tokens_per_s_incl_warmup"] > 0 and res["decode_mode"].startswith("eager")
+    assert res["decode_handover"] == ""                         # no CUDA: no stream-ordered jobs
     assert res["cpu_expert_bytes_per_token"] > 0 and res["gpu_bytes_per_token"] == 0
     expected = 1e9 * res["cpu_bandwidth_gbps"] / (res["cpu_expert_bytes_per_token"] + res["cpu_dense_bytes_per_token"])
     assert res["roofline_tokens_per_s"] == pytest.approx(expected, rel=0.01)

@@ -55,6 +55,7 @@ def run(args) -> int:
     rows.append(("cpu", f"{name}, {os.cpu_count()} logical CPUs"))
     rows.append(("cpu ISA", " ".join(f"[green]{f}[/]" if f in flags else f"[dim]-{f}[/]" for f in ISA_FLAGS)))
     rows.append(("native library", _native()))
+    rows.append(("decode hand-over", _handover()))
     from ..operators import registry
     rows.append(("operators", ", ".join(registry.names())))
     from ..rules import pack_names
@@ -83,3 +84,26 @@ def _native() -> str:
     if not info.get("available"):
         return f"[yellow]not built[/]: {info.get('reason')}"
     return ", ".join(f"{k}={v}" for k, v in info.items() if k != "available")
+
+
+def _handover() -> str:
+    """How a GPU decode step hands its MoE layers to the CPU here (docs/native.md, stream-ordered
+    jobs): doorbells or host functions, with or without the zero-copy kernels, and why not."""
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA (CPU layouts: nothing to hand over)"
+    try:
+        from ..native import hostfn
+        if not hostfn.available():
+            return "[yellow]from Python[/] (no CUDA driver library or no native library: decode runs without a CUDA graph)"
+        dev = torch.device("cuda", 0)
+        mode = hostfn.signal_mode(dev)
+        if mode == "hostfn":
+            why = hostfn.bells_usable(dev)
+            return "host functions" + (f" (doorbells unusable: {why})" if why else " (KTINJECT_HOSTJOB_SIGNAL=hostfn)")
+        why = hostfn.zerocopy_usable(dev)
+        if hostfn.zerocopy_max_tokens() == 0:
+            return "doorbells, copies (KTINJECT_HOSTJOB_ZEROCOPY=0)"
+        return "doorbells, zero-copy kernels" if why is None else f"doorbells, copies (zero-copy unusable: {why})"
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"[red]{exc}[/]"

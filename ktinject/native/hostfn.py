@@ -153,7 +153,7 @@ def bells_usable(device: torch.device) -> Optional[str]:
 _ZEROCOPY: dict[int, Optional[str]] = {}   # CUDA device index -> None (zero-copy hand-over works) or why not
 
 
-def _zerocopy_max_tokens() -> int:
+def zerocopy_max_tokens() -> int:
     """Jobs of at most this many tokens hand over through pinned memory directly (bell signalling;
     KTINJECT_HOSTJOB_ZEROCOPY=0 turns it off: copies, for A/B measurements)."""
     from ..operators.kernels.handoff_triton import MAX_TOKENS
@@ -227,6 +227,14 @@ def signal_mode(device: torch.device) -> str:
     return "hostfn"
 
 
+def handover_of(model) -> str:
+    """How `model`'s stream-ordered jobs made so far hand over: "bell+zerocopy", "bell", "hostfn"
+    (several joined by ","), or "" when none was made (Python-driven, or no CUDA)."""
+    kinds = {j.signal + ("+zerocopy" if j.zerocopy else "") for m in model.modules()
+             for j in getattr(m, "_jobs", {}).values() if isinstance(j, HostJob)}
+    return ",".join(sorted(kinds))
+
+
 class HostJob:
     """Pinned buffers, a device output buffer and the C job record of one layer at batch T."""
 
@@ -271,7 +279,7 @@ class HostJob:
                 self._go = driver().device_pointer(self.flags.data_ptr())
             self._done = self._go + 64
         self.zerocopy = (self.signal == "bell" and self.skip != 2 and zerocopy_usable(device) is None
-                         and T <= _zerocopy_max_tokens())
+                         and T <= zerocopy_max_tokens())
 
     def submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Record: hand the inputs (device tensors of this job's shape, any float / integer dtype)
