@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -147,6 +147,19 @@ print('q4_k $cfg', r['ms_per_layer'], r['fraction'], r['trace_us'])" | tee -a "$
       --experts 256 --topk 8 --batch 1 --threads 15 --gib 6 --probe-gib 1 --seconds 2 --json --trace 2>/dev/null \
       | python3 -c "import sys, json; r = json.loads(sys.stdin.read().splitlines()[-1])
 print('q6_k V3 shape repack=$rp', r['ms_per_layer'], r['fraction'], r['trace_us'])" | tee -a "$OUT/r16sweep.txt"
+  done
+fi
+if [[ $steps == *" pool "* ]]; then   # the CPU layers inside the decode step: late workers (the trace's latest start,
+  # which workers, steal time), PAUSE-spinning vs plain loads (KTINJECT_SPIN_PAUSE), V2-Lite and Qwen3-30B-A3B
+  for pair in "v2lite deepseek-v2-lite deepseek-v2" "qwen3 qwen3-30b-a3b qwen3-moe"; do
+    set -- $pair
+    [ -f /tmp/$1.gguf ] || timeout 200 python3 -m ktinject synth --arch $2 --recipe q4_k_m --no-progress \
+      --threads 16 /tmp/$1.gguf 2>&1 | tail -1
+    for pause in ${POOL_PAUSE:-1 0}; do
+      echo "== $1 KTINJECT_SPIN_PAUSE=$pause"
+      KTINJECT_SPIN_PAUSE=$pause timeout -s KILL 100 python3 scripts/profile_decode.py /tmp/$1.gguf --rules $3 --modes graph \
+        2>&1 | grep -E "decode|machine|threads over|CPU layers" | cut -c1-900 | tee -a "$OUT/pool.txt"
+    done
   done
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
