@@ -26,7 +26,8 @@ Two ways to signal the CPU (`signal_mode()`, env `KTINJECT_HOSTJOB_SIGNAL=hostfn
   experts and clears `done`: two launches instead of nine stream operations per layer
   (`KTINJECT_HOSTJOB_ZEROCOPY=0`: the copies, for A/B runs). Measured on the lent H200 + 16-core
   Xeon, V2-Lite decode alternating (docs/benchmarks.md, eighth session): bells 82.0 and 85.7
-  tok/s, host functions 80.8 and 74.0.
+  tok/s, host functions 80.8 and 74.0; then bells with zero-copy a median of 94.4 tok/s over 5
+  runs, with copies 84.4.
 * **hostfn** (`KTINJECT_HOSTJOB_SIGNAL=hostfn`, and wherever bells fail their self-test):
   `cuLaunchHostFunc` nodes call `ktk_host_submit` / `ktk_host_sync` on the driver's thread (the
   diagram above).
@@ -322,9 +323,12 @@ class HostJob:
                 drv.check(drv.wait_value32(stream, self._done, 1, WAIT_EQ), "cuStreamWaitValue32")
                 if self.zerocopy:                   # one kernel: read, convert, add, clear `done`
                     from ..operators.kernels.handoff_triton import combine
-                    fits = add is None or (add.dtype == dtype and add.shape == self.out.shape and add.stride(1) == 1
-                                           and add.device == self.out_dev.device)
-                    out = combine(self.out, self.flags[16:], dtype, self.out_dev.device, add if fits else None)
+                    from ..operators.kernels.handoff_triton import FLOAT_DTYPES
+                    kind = dtype if dtype in FLOAT_DTYPES else torch.float32
+                    fits = add is None or (add.dtype == kind == dtype and add.shape == self.out.shape
+                                           and add.stride(1) == 1 and add.device == self.out_dev.device)
+                    out = combine(self.out, self.flags[16:], kind, self.out_dev.device, add if fits else None)
+                    out = out if kind == dtype else out.to(dtype)
                     return out if fits else out + add
                 drv.check(drv.write_value32(stream, self._done, 0, 0), "cuStreamWriteValue32")
             else:
