@@ -23,7 +23,7 @@ Two ways to signal the CPU (`signal_mode()`, env `KTINJECT_HOSTJOB_SIGNAL=hostfn
   each way). With bells, jobs of at most 16 tokens (decode) also hand over without copies
   (`zerocopy_usable`, kernels/handoff_triton.py): one kernel writes x, ids and w into the pinned
   buffers and rings the bell, one kernel reads the result back, converts it, adds the shared
-  experts and clears `done`: two launches instead of nine stream operations per layer
+  experts and clears `done`: three stream operations per layer instead of ten
   (`KTINJECT_HOSTJOB_ZEROCOPY=0`: the copies, for A/B runs). Measured on the lent H200 + 16-core
   Xeon, V2-Lite decode alternating (docs/benchmarks.md, eighth session): bells 82.0 and 85.7
   tok/s, host functions 80.8 and 74.0; then bells with zero-copy a median of 94.4 tok/s over 5

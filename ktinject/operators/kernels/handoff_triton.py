@@ -2,9 +2,10 @@
 
 A stream-ordered CPU MoE job (ktinject/native/hostfn.py, doorbell signalling) used to cost per
 layer: a float32 conversion of the hidden states, three device-to-host copies (x, ids, w), the
-doorbell write, and on the way back a host-to-device copy, a conversion to the activation dtype
-and the sum with the shared experts: nine stream operations, four of them copy-engine transfers
-whose latency dominates at a few kilobytes. Here two kernels do it, reading and writing the
+doorbell write; on the way back the wait, the clearing write, a host-to-device copy, a conversion
+to the activation dtype and the sum with the shared experts: ten stream operations, four of them
+copy-engine transfers whose latency dominates at a few kilobytes. Here two kernels and the wait
+do it, reading and writing the
 page-locked buffers straight over the bus (the GPU addresses pinned host memory directly):
 
 * `handoff`: one program writes x (float32), ids (int64) and w (float32) into the pinned buffers,
@@ -13,7 +14,7 @@ page-locked buffers straight over the bus (the GPU addresses pinned host memory 
 * `combine`: after the stream's wait for `done`, reads the CPU's float32 output from pinned memory
   (volatile loads: never a stale cached line), adds the shared experts' output if given, writes
   the result in the activation dtype, and clears `done` for the next replay. One launch instead of
-  four operations.
+  four operations (the wait stays).
 
 Both are CUDA-graph capturable once compiled (the first eager call compiles them). Triton's
 interpreter runs them on CPU tensors for the arithmetic (it has no inline assembly: the fence is
