@@ -86,16 +86,18 @@ print(f'{n/1e9:.2f} B parameters')" | tee -a "$OUT/convert.txt"
 fi
 if [[ $steps == *" ab "* ]]; then   # decode A/B in one process series, alternating (this host's noise is +-10-30%):
   # AB_CFGS: ";"-separated "ENV=VALUE rules..." (default: the zero-copy hand-over on and off, and host
-  # functions; e.g. "KTINJECT_HOSTJOB_SIGNAL=bell scripts/rules/unfused.yaml deepseek-v2"), AB_ROUNDS rounds
-  [ -f /tmp/v2lite.gguf ] || timeout 200 python3 -m ktinject synth --arch deepseek-v2-lite --recipe q4_k_m --no-progress \
-    --threads 16 /tmp/v2lite.gguf 2>&1 | tail -1
+  # functions; e.g. "KTINJECT_HOSTJOB_SIGNAL=bell scripts/rules/unfused.yaml deepseek-v2"), AB_ROUNDS rounds;
+  # AB_MODEL=qwen3 benches Qwen3-30B-A3B instead (e.g. AB_CFGS="KTINJECT_REPACK=auto qwen3-moe;KTINJECT_REPACK=1 qwen3-moe")
+  model=${AB_MODEL:-v2lite}; arch=deepseek-v2-lite; [ "$model" = qwen3 ] && arch=qwen3-30b-a3b
+  [ -f /tmp/$model.gguf ] || timeout 200 python3 -m ktinject synth --arch $arch --recipe q4_k_m --no-progress \
+    --threads 16 /tmp/$model.gguf 2>&1 | tail -1
   IFS=';' read -ra cfgs <<< "${AB_CFGS:-KTINJECT_HOSTJOB_ZEROCOPY=1 deepseek-v2;KTINJECT_HOSTJOB_ZEROCOPY=0 deepseek-v2;KTINJECT_HOSTJOB_SIGNAL=hostfn deepseek-v2}"
   for i in $(seq ${AB_ROUNDS:-3}); do
     for cfg in "${cfgs[@]}"; do
       set -- $cfg; env=$1; shift
-      env $env timeout -s KILL 120 python3 -m ktinject bench /tmp/v2lite.gguf --rules "$@" --json --prompt-lengths 128 \
+      env $env timeout -s KILL 120 python3 -m ktinject bench /tmp/$model.gguf --rules "$@" --json --prompt-lengths 128 \
         --decode-tokens 64 --repeat 2 --probe-gib 2 2>/dev/null | python3 -c "import sys, json; r = json.loads(sys.stdin.read())
-print('$env $*', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode', 'cpu_bandwidth_gbps', 'fraction')})" \
+print('$model $env $*', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode', 'decode_handover', 'cpu_bandwidth_gbps', 'fraction')})" \
         | tee -a "$OUT/ab.txt"
     done
   done
