@@ -63,9 +63,10 @@ def test_hybrid_pack_on_gpu_matches_reference(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_with_hybrid_pack(family, tmp_path, monkeypatch):
     """Embedding on the CPU, lm_head on the GPU, routed experts on the CPU: the engine's greedy
-    decode, one CUDA graph replay per token (CPU experts through stream-ordered host functions,
-    the embedding looked up on the host), equals greedy decoding by full recomputation of the
-    same loaded model (float32, so no near-tie flips); so does the eager, Python-driven path."""
+    decode, one CUDA graph replay per token (CPU experts through stream-ordered jobs: by default
+    doorbells and the zero-copy hand-over; the embedding looked up on the host), equals greedy
+    decoding by full recomputation of the same loaded model (float32, so no near-tie flips); so
+    do the copies, host functions, and the eager, Python-driven path."""
     from ktinject import generate, optimize_and_load
     d = save_tiny(family, tmp_path / family)
     model, tok = optimize_and_load(d, family.replace("_", "-"), dtype="float32")
@@ -73,8 +74,18 @@ def test_generate_with_hybrid_pack(family, tmp_path, monkeypatch):
     res = generate(model, tok, prompt, max_new_tokens=10)
     assert res.token_ids == greedy_recomputed(model, prompt, len(res.token_ids)) and len(res.token_ids) > 0
     assert res.decode_mode == "cuda-graph", res.decode_mode
+    from ktinject.native.hostfn import handover_of
+    assert handover_of(model) == "bell+zerocopy"                                   # the default where it works
     eager = generate(model, tok, prompt, max_new_tokens=10, cuda_graph="off")     # stream-ordered, no graph
     assert eager.token_ids == res.token_ids
+    for knob, mode, handover in (("KTINJECT_HOSTJOB_ZEROCOPY", "0", "bell"), ("KTINJECT_HOSTJOB_SIGNAL", "hostfn", "hostfn")):
+        with monkeypatch.context() as env:
+            env.setenv(knob, mode)
+            other_model, _ = optimize_and_load(d, family.replace("_", "-"), dtype="float32")   # jobs made this way
+            other = generate(other_model, tok, prompt, max_new_tokens=10)
+            assert other.token_ids == res.token_ids and other.decode_mode == "cuda-graph", (knob, other.decode_mode)
+            assert handover_of(other_model) == handover
+            del other_model
     monkeypatch.setenv("KTINJECT_STREAM_ORDERED", "0")                             # Python-driven CPU experts
     old = generate(model, tok, prompt, max_new_tokens=10)
     assert old.token_ids == res.token_ids
