@@ -67,12 +67,10 @@ static void futex_wake(_Atomic uint32_t *addr) {
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 }
 int ktk_spin_pause = 1;
-static void spin_init(void) {
-    static int done;
-    if (done) return;
+static pthread_once_t spin_once = PTHREAD_ONCE_INIT;
+static void spin_read(void) {
     const char *s = getenv("KTINJECT_SPIN_PAUSE");
     ktk_spin_pause = !(s && s[0] == '0' && s[1] == 0);
-    done = 1;
 }
 static long now_ns(void) {
     struct timespec ts;
@@ -122,7 +120,7 @@ static void run_job(ktk_pool *p, int tid, uint32_t g) {
         while ((i = claim_item(p, ph, g)) >= 0) {
             p->fn(p->ctx, ph, i, tid);          /* job g stays posted until this item is counted */
             int64_t c = atomic_fetch_add_explicit(&p->completed[ph], 1, memory_order_acq_rel) + 1;
-            if (c == atomic_load_explicit(&p->items[ph], memory_order_relaxed) && p->trace) p->t_phase[ph] = now_ns();
+            if (p->trace && c == atomic_load_explicit(&p->items[ph], memory_order_relaxed)) p->t_phase[ph] = now_ns();
         }
         if (i == -2) return;                    /* a newer job: nothing of g is left to do */
         /* the phase's items are all claimed: wait until they are all done (or g is over) */
@@ -202,7 +200,7 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     p->scratch = calloc((size_t)nthreads, sizeof *p->scratch);
     p->scratch_size = calloc((size_t)nthreads, sizeof *p->scratch_size);
     p->late_by = calloc((size_t)nthreads, sizeof *p->late_by);
-    spin_init();
+    pthread_once(&spin_once, spin_read);   /* before any thread of this pool spins */
     const char *s = getenv("KTINJECT_SPIN_US");
     p->spin_ns = (s ? atol(s) : 1000) * 1000L;
     s = getenv("KTINJECT_POOL_TRACE");

@@ -135,9 +135,10 @@ def describe() -> dict:
            "amx_permission": bool(lib.ktk_amx_permission()), "threads": cpu_count(),
            "forced_by": ENV_ISA if os.environ.get(ENV_ISA) else None}
     if running is not None:     # what repack: auto does on this path (docs/native.md, R16)
-        from .moe import repack_mode
-        out["r16_repack"] = {"off": "off", "on": "on (all R16 types)",
-                             "auto": "auto (Q5_0, Q8_0)"}[repack_mode(ISAS.index(running), None)]
+        from .moe import AUTO_TYPES, R16_TYPES, repack_mode
+        mode = repack_mode(ISAS.index(running), None)
+        out["r16_repack"] = mode if mode == "off" else \
+            f"{mode} ({', '.join(R16_TYPES[t] for t in (AUTO_TYPES if mode == 'auto' else R16_TYPES))})"
     if err:
         out["error"] = err
     return out

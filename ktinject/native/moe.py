@@ -72,7 +72,7 @@ def r16_row_bytes(ggml_type: int, n: int) -> int:
     lib, _ = load()
     rb = int(lib.ktk_r16_row_bytes(int(ggml_type), int(n)))
     if rb < 0:
-        raise NativeError(f"GGML type {ggml_type} has no R16 layout (Q4_K, Q5_0, Q8_0, Q6_K do) or {n} values "
+        raise NativeError(f"GGML type {ggml_type} has no R16 layout ({', '.join(R16_TYPES.values())} do) or {n} values "
                           f"are not whole blocks")
     return rb
 
@@ -83,7 +83,7 @@ def r16_supported(m: ExpertMatrix) -> Optional[str]:
     if m.layout == "r16":
         return "already repacked"
     if not lib.ktk_r16_supported(int(m.ggml_type)):
-        return f"GGML type {m.ggml_type} has no R16 layout (Q4_K, Q5_0, Q8_0 and Q6_K do)"
+        return f"GGML type {m.ggml_type} has no R16 layout ({', '.join(R16_TYPES.values())} do)"
     if m.rows % 16:
         return f"{m.rows} rows per expert is not a multiple of 16"
     if lib.ktk_r16_row_bytes(int(m.ggml_type), int(m.cols)) < 0:
@@ -165,6 +165,7 @@ ENV_REPACK = "KTINJECT_REPACK"
 # repack=None (auto) repacks these types only: measured faster at decode from memory on the lent
 # Xeon (Q5_0 down projections ~30% faster per byte); Q4_K's R16 kernel is ~2x faster in cache but
 # was not faster from memory (docs/benchmarks.md), so auto leaves Q4_K in GGUF rows.
+R16_TYPES = {12: "Q4_K", 6: "Q5_0", 8: "Q8_0", 14: "Q6_K"}    # GGML types with an R16 layout (native/r16.c)
 AUTO_TYPES = (6, 8)       # Q5_0, Q8_0
 _warned: set[str] = set()
 
