@@ -42,11 +42,23 @@ TARGETS = (264, 528, 1056, 2112)          # target programs (K split) tried for 
 
 
 def grid_for(m: int, quick: bool):
-    """[(mode, pack, block_n, warps, stages, prefetch, reduce)] candidates for `m` rows, most promising first."""
-    def c(mode, pack, bn, warps, stages=1, prefetch=False, reduce="serial"):
-        return (mode, pack, bn, warps, stages, prefetch, reduce)
+    """[(mode, pack, block_n, warps, stages, prefetch, reduce, chunk)] candidates for `m` rows, most promising
+    first."""
+    def c(mode, pack, bn, warps, stages=1, prefetch=False, reduce="serial", chunk=16, ctas=0):
+        return (mode, pack, bn, warps, stages, prefetch, reduce, chunk, ctas)
+    mma = [c("mma", 16, 32, 4, chunk=2), c("mma", 16, 32, 4, chunk=4), c("mma", 16, 64, 8, chunk=2),
+           c("mma", 16, 16, 2, chunk=2), c("mma", 16, 32, 4, chunk=1), c("mma", 16, 32, 4, chunk=2, ctas=8),
+           c("mma", 16, 64, 8, chunk=4, ctas=4), c("mma", 32, 32, 4, chunk=2), c("mma", 16, 32, 4, chunk=8)]
+    rows = [c("rows", 16, 16, 4), c("rows", 16, 8, 4), c("rows", 16, 32, 8), c("rows", 16, 4, 4),
+            c("rows", 16, 16, 4, chunk=8), c("rows", 32, 16, 4, chunk=8), c("rows", 16, 32, 4, chunk=8),
+            c("rows", 16, 8, 2, chunk=16)]
+    cuda = [c("cuda", 16, 16, 4, chunk=2), c("cuda", 16, 8, 4, chunk=2), c("cuda", 16, 16, 4, chunk=1),
+            c("cuda", 16, 32, 8, chunk=2), c("cuda", 16, 4, 4, chunk=2), c("cuda", 16, 8, 8, chunk=1),
+            c("cuda", 16, 32, 4, chunk=2), c("cuda", 16, 16, 4, chunk=4), c("cuda", 32, 8, 4, chunk=2),
+            c("cuda", 32, 4, 4, chunk=4)]
+    rows = mma + cuda + rows if m == 1 else mma[:4] + rows[:3] if m <= 4 else mma[:4]
     if m == 1:
-        g = [c("fma", 16, 256, 4), c("fma", 16, 128, 4), c("fma", 16, 64, 4), c("fma", 32, 128, 4),
+        g = rows + [c("fma", 16, 256, 4), c("fma", 16, 128, 4), c("fma", 16, 64, 4), c("fma", 32, 128, 4),
              c("fma", 16, 512, 8), c("fma", 32, 256, 8), c("fma", 16, 256, 4, prefetch=True),
              c("fma", 16, 64, 4, reduce="atomic"), c("fma", 16, 128, 4, 3, prefetch=True)]
         if not quick:
@@ -57,6 +69,7 @@ def grid_for(m: int, quick: bool):
          c("dot", 16, 64, 4), c("dot_x", 32, 128, 4), c("dot_x", 16, 64, 4, reduce="atomic")]
     if m <= 4:
         g.insert(2, c("fma", 16, 128, 4))
+    g = rows + g
     if not quick:
         g += [c("dot", 16, 256, 8), c("dot_x", 16, 128, 8), c("dot_x", 16, 128, 4, 3), c("dot", 32, 128, 4),
               c("dot_x", 16, 64, 4, prefetch=True)]
@@ -64,13 +77,14 @@ def grid_for(m: int, quick: bool):
 
 
 def as_cand(cfg):
-    return (cfg.mode, cfg.pack, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch, cfg.reduce)
+    return (cfg.mode, cfg.pack, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch, cfg.reduce, cfg.chunk,
+            cfg.ctas)
 
 
 def make_cfg(T, c, target=1056, split=0):
-    mode, pack, bn, warps, stages, prefetch, reduce = c
+    mode, pack, bn, warps, stages, prefetch, reduce, chunk, ctas = c
     return T.TiledConfig(mode=mode, block_n=bn, num_warps=warps, num_stages=stages, target_programs=target,
-                         split=split, pack=pack, prefetch=prefetch, reduce=reduce)
+                         split=split, pack=pack, prefetch=prefetch, reduce=reduce, chunk=chunk, ctas=ctas)
 
 
 def cfg_short(cfg) -> str:
@@ -79,12 +93,16 @@ def cfg_short(cfg) -> str:
         s += "/pf"
     if cfg.reduce != "serial":
         s += f"/{cfg.reduce}"
+    if cfg.mode in ("rows", "cuda", "mma"):
+        s += f"/ct{cfg.chunk}"
+    if cfg.ctas:
+        s += f"/ctas{cfg.ctas}"
     return s
 
 
 def cfg_dict(cfg) -> dict:
     return {k: getattr(cfg, k) for k in ("mode", "block_n", "num_warps", "num_stages", "target_programs", "split",
-                                         "pack", "prefetch", "reduce")}
+                                         "pack", "prefetch", "reduce", "chunk", "ctas")}
 
 
 def group_of(k: int, group: int) -> int:
@@ -104,8 +122,9 @@ def kernel_key(T, k, group, pack, m, c):
     mode = T.TILED_MODES[c[0]]
     if mode == 0 and nsub > 4:
         mode = 1
-    block_m = T._next_pow2(m) if c[0].startswith("fma") else 16
-    return (pack, nsub, k % (8 * pack) == 0, c[2], block_m, mode, c[3], c[4], c[5], c[6] == "atomic")
+    block_m = T._next_pow2(m) if c[0].startswith("fma") or c[0] == "rows" else 16
+    return (pack, nsub, k % (8 * pack) == 0, c[2], block_m, mode, c[3], c[4], c[5], c[6] == "atomic",
+            c[7] if c[0] == "rows" else 0)
 
 
 def _compile_task(task):
@@ -300,8 +319,8 @@ def main(argv=None) -> int:
             cands = grid_for(m, args.quick)[:2 if selftest else None]
             cands = [as_cand(T.tiled_config(m, n, k, group_of(k, group)))] + cands
             for c in cands:
-                if pack_ok(k, group, c[1]):
-                    mm = m if c[0].startswith("fma") else 16
+                if pack_ok(k, group, c[1]) and c[0] not in ("cuda", "mma"):   # (NVRTC binaries live per process)
+                    mm = m if c[0].startswith("fma") or c[0] == "rows" else 16
                     tasks.append((k, group, c[1], mm, c))
     by_kernel = {}                                 # one task per compiled variant (same constexprs -> same binary)
     for t in tasks:
@@ -313,6 +332,9 @@ def main(argv=None) -> int:
         if err:
             skip(f"{cfg_short(make_cfg(T, task[4]))} K={task[0]} g={task[1]} M={task[3]}: compile/run failed: {err}")
 
+    cuda_ok = not selftest and T.int4_cuda.available()
+    if not selftest:
+        print(f"CUDA (NVRTC) GEMV: {'available' if cuda_ok else T.int4_cuda.unavailable_reason()}", flush=True)
     torch.manual_seed(0)
     results = []
     n_shapes_left = sum(len(b) for *_, b in plan)
@@ -363,7 +385,7 @@ def main(argv=None) -> int:
                 row["tinygemm"] = f"rejects ({tg_err})"
             default = T.tiled_config(m, n, k, g)
             cands = [as_cand(default)] + grid_for(m, args.quick)[:2 if selftest else None]
-            cands = [c for c in dict.fromkeys(cands) if pack_ok(k, group, c[1])]
+            cands = [c for c in dict.fromkeys(cands) if pack_ok(k, group, c[1]) and (c[0] not in ("cuda", "mma") or cuda_ok)]
             timings, skipped = [], 0
             for ci, c in enumerate(cands):
                 if time.time() - shape_t0 > share and ci > 0:

@@ -211,7 +211,14 @@ _INTERP_TILED = textwrap.dedent("""
              (3, 33, 768, 32, 16, C("fma", 16, split=3, reduce="atomic"), torch.float16),
              (3, 70, 1088, 64, 16, C("dot", 32, split=3), torch.float16),
              (16, 40, 512, 128, 16, C("dot_x", 16, split=1), torch.float16),
-             (5, 40, 256, -1, 32, C("dot_x", 16, split=2, prefetch=True), torch.float16)]
+             (5, 40, 256, -1, 32, C("dot_x", 16, split=2, prefetch=True), torch.float16),
+             # mode rows: K padding and two groups a tile, four groups a tile with 3 of 4 rows, per channel
+             # with a partial chunk, the unmasked (EVEN) kernel; mode cuda falls back to Triton off CUDA
+             (1, 70, 1088, 64, 16, C("rows", 16, chunk=4), torch.bfloat16),
+             (3, 33, 768, 32, 16, C("rows", 8, chunk=2), torch.float16),
+             (4, 40, 1024, -1, 32, C("rows", 16, chunk=8), torch.float32),
+             (2, 40, 512, 128, 16, C("rows", 8, chunk=4), torch.bfloat16),
+             (1, 24, 512, 128, 16, C("cuda", 8, num_warps=4, chunk=2), torch.float32)]
     for m, n, k, g, p, cfg, dt in cases:
         iw = P.quantize(torch.randn(n, k), g)
         tw = P.tile(iw, p)
@@ -288,6 +295,101 @@ def test_gpu_paths_match_torch(backend, rows, shape, group):
     if rows <= 16:   # fp16 activations never take tinygemm (bf16 only)
         assert mod.path(rows, torch.float16) == "gemv"
         assert sqnr(ref, mod(x.half()).float()) > 40
+
+
+def test_shape_classes_hold_only_triton_modes():
+    """Modes cuda/mma fall back to the shape class where NVRTC is missing: the class must be a Triton mode."""
+    from ktinject.operators.kernels import int4_triton as T
+    for _, by_rows in T.CLASS_CONFIGS:
+        assert all(c.mode in ("fma", "fma_dq", "rows", "dot", "dot_x") for c in by_rows.values())
+    for (n, k, g, rows), cfg in T.TUNED.items():      # one pack per shape (the layout is made once)
+        assert cfg.pack == T.tiled_config(1, n, k, g).pack, (n, k, g, rows)
+        assert cfg.mode != "cuda" or rows == 1
+
+
+def test_cuda_gemv_reports_why_it_is_missing():
+    from ktinject.operators.kernels import int4_cuda
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the gpu tests cover the kernel")
+    assert not int4_cuda.available() and int4_cuda.unavailable_reason() == "no CUDA device"
+    tw = P.tile(P.quantize(torch.randn(8, 256), 128))
+    with pytest.raises(ValueError, match="one row"):
+        int4_cuda.gemv(torch.randn(2, 256, dtype=torch.bfloat16), tw)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        int4_cuda.gemv(torch.randn(1, 256), tw)
+    with pytest.raises(ValueError, match="columns"):
+        int4_cuda.gemv(torch.randn(1, 128, dtype=torch.bfloat16), tw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,pack,rpw,warps,batch", [
+    (2048, 2048, 128, 16, 2, 4, 2), (1000, 1088, 64, 16, 4, 4, 1), (2048, 10944, 64, 32, 1, 4, 4),
+    (1024, 2048, 32, 16, 4, 8, 2), (1536, 2048, -1, 16, 2, 4, 1), (777, 392, 8, 8, 3, 2, 2),
+    (102400, 2048, 128, 16, 4, 4, 1), (300, 20480, 128, 16, 1, 4, 8)])
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
+def test_gpu_cuda_gemv_matches_reference(n, k, group, pack, rpw, warps, batch, dtype, bias):
+    """The NVRTC kernel: K padding, 1-8 groups a tile, per channel, pack 8/16/32, rows past N, a row longer
+    than 48 KiB of staged x (20480 inputs), bf16 and fp16, bias."""
+    from ktinject.operators.kernels import int4_cuda
+    assert int4_cuda.available(), int4_cuda.unavailable_reason()
+    torch.manual_seed(0)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group)
+    tw = P.tile(iw, pack)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    ref = x.float() @ P.dequantize(iw).T + (b.float() if bias else 0)
+    y = int4_cuda.gemv(x, tw, b, rows_per_warp=rpw, warps=warps, step_batch=batch)
+    assert y.dtype == dtype and y.shape == (1, n)
+    assert sqnr(ref, y.float()) > 40
+    assert torch.equal(y, int4_cuda.gemv(x, tw, b, rows_per_warp=rpw, warps=warps, step_batch=batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,pack,rows,warps,batch,ctas", [
+    (2048, 2048, 128, 16, 1, 4, 2, 0), (1000, 1088, 128, 16, 3, 4, 1, 0), (2048, 10944, 256, 32, 1, 4, 4, 2),
+    (1024, 2048, 256, 32, 16, 8, 2, 0), (1536, 2048, -1, 16, 9, 4, 1, 1), (777, 392, 128, 16, 8, 2, 2, 0),
+    (102400, 2048, 128, 16, 1, 4, 2, 8), (300, 20480, 128, 16, 2, 4, 8, 0)])
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
+def test_gpu_mma_gemv_matches_reference(n, k, group, pack, rows, warps, batch, ctas, dtype, bias):
+    """The tensor-core kernel: K padding, rows 1..16 (both halves of the mma's rows), per channel, pack 16/32,
+    groups spanning tiles, a persistent grid, rows past N, 80 KiB of staged x, bf16 and fp16, bias."""
+    from ktinject.operators.kernels import int4_cuda
+    assert int4_cuda.available(), int4_cuda.unavailable_reason()
+    torch.manual_seed(0)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group)
+    tw = P.tile(iw, pack)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    ref = x.float() @ P.dequantize(iw).T + (b.float() if bias else 0)
+    y = int4_cuda.gemv_mma(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert sqnr(ref, y.float()) > 40
+    assert torch.equal(y, int4_cuda.gemv_mma(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas))
+    g32 = P.tile(P.quantize(torch.randn(64, 512, device="cuda"), 32), 16)
+    assert "one scale group per tile" in int4_cuda.mma_fits(g32, 1)
+    with pytest.raises(ValueError, match="one scale group"):
+        int4_cuda.gemv_mma(torch.randn(1, 512, device="cuda", dtype=dtype), g32)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_gemv_in_a_cuda_graph():
+    from ktinject.operators.kernels import int4_cuda, int4_triton as T
+    torch.manual_seed(0)
+    tws = [P.tile(P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)) for n, k in [(2048, 2048), (4096, 4096)]]
+    xs = [torch.randn(1, t.in_features, device="cuda", dtype=torch.bfloat16) for t in tws]
+    cfgs = [T.TiledConfig("cuda", block_n=8, num_warps=4, chunk=2), T.TiledConfig("mma", block_n=32, num_warps=4,
+                                                                                  chunk=2, ctas=4)]
+    want = [T.int4_gemv_tiled(x, t, None, cfg) for t, x, cfg in zip(tws, xs, cfgs)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [T.int4_gemv_tiled(x, t, None, cfg) for t, x, cfg in zip(tws, xs, cfgs)]
+    for x in xs:
+        x.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    for o, w_ in zip(outs, want):
+        assert torch.allclose(o.float(), 2 * w_.float(), rtol=2e-2, atol=2e-2)
+    assert int4_cuda.available()
 
 
 @pytest.mark.gpu

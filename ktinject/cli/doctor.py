@@ -56,6 +56,7 @@ def run(args) -> int:
     rows.append(("cpu ISA", " ".join(f"[green]{f}[/]" if f in flags else f"[dim]-{f}[/]" for f in ISA_FLAGS)))
     rows.append(("native library", _native()))
     rows.append(("decode hand-over", _handover()))
+    rows.append(("int4 decode GEMV", _int4_gemv()))
     from ..operators import registry
     rows.append(("operators", ", ".join(registry.names())))
     from ..rules import pack_names
@@ -107,3 +108,17 @@ def _handover() -> str:
         return "doorbells, zero-copy kernels" if why is None else f"doorbells, copies (zero-copy unusable: {why})"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"[red]{exc}[/]"
+
+
+def _int4_gemv() -> str:
+    """Which kernel `linear_int4` runs for one row on the GPU here (docs/gpu.md): the NVRTC-compiled CUDA
+    GEMV where the tuned tables pick it and it compiles, else the Triton kernels."""
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA (linear_int4 runs its torch path)"
+    try:
+        from ..operators.kernels import int4_cuda
+        why = int4_cuda.unavailable_reason(torch.device("cuda", 0))
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"[red]{exc}[/]"
+    return "CUDA (NVRTC) + Triton" if why is None else f"[yellow]Triton only[/] (CUDA GEMV unusable: {why})"

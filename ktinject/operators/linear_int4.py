@@ -193,6 +193,8 @@ class Int4Linear(Operator):
             if cfg is not None:
                 got = T.tiled_workspace_need(rows, self.out_features, self.weight_tiled.n_tiles, cfg)
                 need = [max(a, b) for a, b in zip(need, got)]
+                if cfg.mode in ("cuda", "mma") and self.qweight.is_cuda:
+                    T.warm_up(self.weight_tiled, rows, cfg)    # compile (NVRTC) now, never inside a graph capture
         T.reserve_workspace(self.qweight.device, *need)
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
@@ -228,9 +230,10 @@ class Int4Linear(Operator):
         """The tiled-GEMV launch config for `rows` rows of `dtype`, or None where that GEMV cannot run."""
         from .kernels import int4_triton as T
         cfg = T.tiled_config(rows, self.out_features, self.in_features, self.group_size)
-        if not cfg.mode.startswith("fma") and (self.pack < 16 or dtype not in (torch.bfloat16, torch.float16)):
+        half = dtype in (torch.bfloat16, torch.float16)
+        if (cfg.mode in ("dot", "dot_x") and (self.pack < 16 or not half)) or (cfg.mode in ("cuda", "mma") and not half):
             if rows > 4:
-                return None                   # tensor cores need pack >= 16 and half activations
+                return None                   # tensor cores and the CUDA kernels need half activations
             cfg = replace(cfg, mode="fma")
         return cfg
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import int4_cuda
+
 MAX_M = 16
 
 
@@ -276,13 +278,15 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 # writes the output and resets the counter: one launch, no zero-fill, deterministic. ("atomic"
 # reduce: fp32 atomics into a zeroed buffer, then a cast: three launches.)
 
-TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3}
+TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3, "rows": 4, "cuda": 5, "mma": 6}
 _PER_CHANNEL_SHIFT = 30
 
 
 @dataclass(frozen=True)
 class TiledConfig:
-    mode: str = "fma"               # fma | fma_dq (M <= 4) | dot | dot_x (M <= 16, bf16/fp16 activations)
+    mode: str = "fma"               # fma | fma_dq | rows (M <= 4) | dot | dot_x (M <= 16, bf16/fp16 activations)
+    #                                 cuda (M = 1: the NVRTC kernel of int4_cuda; block_n / num_warps rows a warp)
+    #                                 mma (M <= 16: int4_cuda's tensor-core kernel; block_n = 8 x num_warps)
     block_n: int = 64               # rows per program
     num_warps: int = 4
     num_stages: int = 1             # (Triton does not software-pipeline this loop: stages change nothing)
@@ -291,6 +295,9 @@ class TiledConfig:
     pack: int = 16                  # P of the weight layout this config was tuned for (16 or 32)
     prefetch: bool = False          # load the next tile's words before computing this one
     reduce: str = "serial"          # split-K sums: serial (fixed order) | atomic (fp32 atomics; any order)
+    chunk: int = 16                 # mode rows: tiles per load wave (power of two); rows never splits K
+    #                                 mode cuda: 128-word steps per load batch; mma: 16-word steps
+    ctas: int = 0                   # mode mma: blocks per SM of a persistent grid (0: a warp per 8 rows)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -530,6 +537,89 @@ if triton is not None:
                      mask=(offs_n < N)[:, None] & (kx < K)[None, :])
 
 
+    # ---- mode "rows": whole-row chunks, no K split -----------------------------------------------------
+    # One program owns BLOCK_N rows and walks K in chunks of CT tiles; per chunk it issues the loads of the
+    # whole [BLOCK_N, CT, P] block of words at once (BLOCK_N x CT x P x 4 bytes, 16 KiB at 16 x 16 x 16),
+    # so every SM has many independent 16-byte loads in flight and no loop-carried latency stands between
+    # them; a row block whose K fits in one chunk is one load wave, one reduction and one store. No split-K
+    # partials, counters or second pass: the launch is one kernel with N / BLOCK_N programs.
+    # Per weight: half a shift, one lop3, one FMA (the nibble trick of `_nibble`); per (row, tile, group):
+    # the scale and min; per chunk the x slices are loaded once and shared by all rows.
+
+    @triton.jit
+    def _rows_part(w, xp, kb, offs_j, s, mn, K, MLO, MHI, EXP, SG: tl.constexpr, SUB: tl.constexpr,
+                   P: tl.constexpr, BLOCK_N: tl.constexpr, CT: tl.constexpr, EVEN: tl.constexpr):
+        # sum over the chunk's tiles of x . w for one row of x, nibbles SG*SUB .. SG*SUB+SUB-1 (one group per
+        # tile): [BLOCK_N]. kb: [CT] first input of each tile; s, mn: [BLOCK_N, CT] the group's scale and min.
+        t = tl.zeros((BLOCK_N, CT, P), dtype=tl.float32)
+        xs = tl.zeros((CT, P), dtype=tl.float32)
+        xe = tl.zeros((CT, P), dtype=tl.float32)
+        for ii in tl.static_range(SUB):
+            f = _nibble(w, SG * SUB + ii, MLO, MHI, EXP)                  # [BN, CT, P] = 1 + q / C
+            kx = kb[:, None] + (SG * SUB + ii) * P + offs_j[None, :]      # [CT, P]
+            xv = _xload(xp + kx, kx, K, EVEN).to(tl.float32)
+            e = xv * (16.0 + 240.0 * ((SG * SUB + ii + 1) % 2))           # C x
+            t += f * e[None, :, :]
+            xs += xv
+            xe += e
+        # sum_k x (q s + m) = s (sum f C x - sum C x) + m sum x, per (row, tile)
+        tg = tl.sum(t, axis=2)                                            # [BN, CT]
+        return tl.sum(s * (tg - tl.sum(xe, axis=1)[None, :]) + mn * tl.sum(xs, axis=1)[None, :], axis=1)
+
+    @triton.jit(do_not_specialize=["M", "N", "G_SHIFT", "NG", "n_tiles", "stride_om", "MLO", "MHI", "EXP"])
+    def _k_gemv_rows(x_ptr, qw_ptr, s_ptr, m_ptr, b_ptr, out_ptr,
+                     M, N, K, KW, G_SHIFT, NG, n_tiles, stride_xm, stride_om, MLO, MHI, EXP,
+                     P: tl.constexpr, NSUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     CT: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # x: [M, K] (M <= 4)   qw: int32 [N, KW]   s, m: fp16 [NG, N]   out: [M, N]
+        # EVEN: K == n_tiles * 8P and n_tiles % CT == 0 (no masks anywhere)
+        SUB: tl.constexpr = 8 // NSUB
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1)                                  # clamped: loads need no mask
+        offs_t = tl.arange(0, CT)
+        offs_j = tl.arange(0, P)
+        w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * KW + (offs_t[:, None] * P + offs_j[None, :])[None, :, :]
+        x1_ptr = x_ptr + tl.minimum(1, M - 1) * stride_xm                 # rows past M repeat row M-1
+        x2_ptr = x_ptr + tl.minimum(2, M - 1) * stride_xm
+        x3_ptr = x_ptr + tl.minimum(3, M - 1) * stride_xm
+        r0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        r1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        r2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        r3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for c in range(0, n_tiles, CT):
+            tt = c + offs_t                                               # [CT] tiles of this chunk
+            if EVEN:
+                w = tl.load(w_ptrs + c * P, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs + c * P, mask=(tt < n_tiles)[None, :, None], other=0,
+                            eviction_policy="evict_first")                # [BN, CT, P]; w = 0 past the end:
+            kb = tt * (8 * P)                                             # there x = 0 (kx >= K), adds nothing
+            for sg in tl.static_range(NSUB):
+                g = tl.minimum((kb + sg * SUB * P) >> G_SHIFT, NG - 1)    # [CT] group of each tile's part sg
+                s = tl.load(s_ptr + g[None, :] * N + rows[:, None]).to(tl.float32)      # [BN, CT]
+                mn = tl.load(m_ptr + g[None, :] * N + rows[:, None]).to(tl.float32)
+                r0 += _rows_part(w, x_ptr, kb, offs_j, s, mn, K, MLO, MHI, EXP, sg, SUB, P, BLOCK_N, CT, EVEN)
+                if BLOCK_M > 1:
+                    r1 += _rows_part(w, x1_ptr, kb, offs_j, s, mn, K, MLO, MHI, EXP, sg, SUB, P, BLOCK_N, CT, EVEN)
+                if BLOCK_M > 2:
+                    r2 += _rows_part(w, x2_ptr, kb, offs_j, s, mn, K, MLO, MHI, EXP, sg, SUB, P, BLOCK_N, CT, EVEN)
+                    r3 += _rows_part(w, x3_ptr, kb, offs_j, s, mn, K, MLO, MHI, EXP, sg, SUB, P, BLOCK_N, CT, EVEN)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rows).to(tl.float32)
+            r0 += bias
+            r1 += bias
+            r2 += bias
+            r3 += bias
+        n_ok = offs_n < N
+        ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + offs_n, r0.to(ty), mask=n_ok)
+        if BLOCK_M > 1:
+            tl.store(out_ptr + stride_om + offs_n, r1.to(ty), mask=n_ok & (offs_n * 0 + 1 < M))
+        if BLOCK_M > 2:
+            tl.store(out_ptr + 2 * stride_om + offs_n, r2.to(ty), mask=n_ok & (offs_n * 0 + 2 < M))
+            tl.store(out_ptr + 3 * stride_om + offs_n, r3.to(ty), mask=n_ok & (offs_n * 0 + 3 < M))
+
+
 def _tiled_kernels():
     if triton is None:
         raise RuntimeError("the int4 GEMV needs triton")
@@ -550,7 +640,14 @@ def plan_tiled(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[tuple[in
     """(grid, tiles per K slice, BLOCK_M) of one call."""
     if cfg.mode not in TILED_MODES:
         raise ValueError(f"mode must be one of {', '.join(TILED_MODES)}, got {cfg.mode!r}")
-    if cfg.mode.startswith("fma"):
+    if cfg.mode == "mma":
+        return (-(-n // (8 * cfg.num_warps)), 1), n_tiles, _next_pow2(m)
+    if cfg.mode == "cuda":
+        if m != 1 or cfg.block_n % cfg.num_warps:
+            raise ValueError(f"mode 'cuda' takes one row and block_n a multiple of num_warps, got {m} rows, "
+                             f"block_n {cfg.block_n}, {cfg.num_warps} warps")
+        return (-(-n // cfg.block_n), 1), n_tiles, 1
+    if cfg.mode.startswith("fma") or cfg.mode == "rows":
         block_m = _next_pow2(m)
         if block_m > 4:
             raise ValueError(f"mode {cfg.mode!r} takes at most 4 rows, got {m}")
@@ -559,6 +656,10 @@ def plan_tiled(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[tuple[in
         if m > 16:
             raise ValueError(f"mode {cfg.mode!r} takes at most 16 rows, got {m}")
     n_blocks = -(-n // cfg.block_n)
+    if cfg.mode == "rows":
+        if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {cfg.chunk}")
+        return (n_blocks, 1), n_tiles, block_m
     split = cfg.split if cfg.split > 0 else -(-cfg.target_programs // n_blocks)
     split = max(1, min(split, n_tiles))
     per = -(-n_tiles // split)
@@ -625,12 +726,31 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     if m == 0:
         return x.new_empty((0, n))
     cfg = cfg or tiled_config(m, n, k, w.group_size)
-    if not cfg.mode.startswith("fma") and (w.pack < 16 or x.dtype not in (torch.bfloat16, torch.float16)):
+    if cfg.mode in ("cuda", "mma"):
+        usable = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and int4_cuda.available(x.device)
+        if usable and cfg.mode == "cuda" and m == 1:
+            return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps, warps=cfg.num_warps,
+                                  step_batch=cfg.chunk)
+        if usable and cfg.mode == "mma" and int4_cuda.mma_fits(w, m) is None:
+            return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
+        cfg = class_config(m, n, k)                # no NVRTC here (doctor says why), or not this shape: Triton
+    if cfg.mode in ("dot", "dot_x") and (w.pack < 16 or x.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"mode {cfg.mode!r} needs pack >= 16 and bf16/fp16 activations")
     nsub, g_shift = tiled_groups(w)
     grid, per, block_m = plan_tiled(m, n, w.n_tiles, cfg)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if cfg.mode == "rows":                         # one kernel, no K split, no workspace
+        if triton is None:
+            raise RuntimeError("the int4 GEMV needs triton")
+        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        _k_gemv_rows[grid](x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+                           m, n, k, w.qweight.shape[1], g_shift, w.scales.shape[0], w.n_tiles, x.stride(0),
+                           out.stride(0), 0x78000, 0x780000, 0x3F800000,
+                           P=w.pack, NSUB=nsub, BLOCK_N=cfg.block_n, BLOCK_M=block_m, CT=cfg.chunk,
+                           EVEN=k == w.n_tiles * 8 * w.pack and w.n_tiles % cfg.chunk == 0,
+                           HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     atomic = cfg.reduce == "atomic"
     split = grid[1] > 1
     need = (block_m * n if atomic else grid[1] * block_m * n) if split else 0
@@ -656,6 +776,15 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     return out
 
 
+def warm_up(w, rows: int, cfg: TiledConfig) -> None:
+    """Run the GEMV once on zeros (compiles the NVRTC kernels of modes cuda/mma and runs their self-test);
+    linear_int4 calls it at load, as a CUDA-graph capture must not compile or synchronize."""
+    if not (w.qweight.is_cuda and not torch.cuda.is_current_stream_capturing()):
+        return
+    for dtype in (torch.bfloat16, torch.float16):
+        int4_gemv_tiled(torch.zeros(rows, w.in_features, device=w.qweight.device, dtype=dtype), w, None, cfg)
+
+
 def int4_dequantize_tiled(w, dtype: torch.dtype) -> torch.Tensor:
     """Dense [N, K] of `dtype` from an `Int4Tiled` on the GPU (the prefill path)."""
     n, k = w.shape
@@ -669,36 +798,36 @@ def int4_dequantize_tiled(w, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---- launch configs by shape class ---------------------------------------------------------------
-# Initial values chosen from the SASS (instructions per weight, registers) compiled for sm_90, not yet
-# timed: scripts/int4_sweep.py measures the grid on the GPU and prints entries to paste here.
+# scripts/int4_sweep.py measures the grid on the GPU and prints entries to paste here (docs/gpu.md).
 # TUNED: exact shapes, (N, K, group, rows bucket) -> config; group is K for per-channel weights;
 # rows bucket: 1, 4 (2..4 rows) or 16 (5..16 rows). All buckets of one shape must share `pack` (the
 # layout is made once, at load, with the pack of the 1-row config).
 TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
-    # measured on the H200 on 2026-11-29 (scripts/int4_sweep.py --quick): us ours / bf16 / tinygemm
-    (102400, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=2112, pack=16),   # 59.0 / 122.7 / 62.5
-    (102400, 2048, 128, 4): TiledConfig("dot", block_n=128, num_warps=4, num_stages=1, target_programs=2112, pack=16),   # 112.8 / 114.2 / 85.8
-    (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=264, pack=16, reduce="atomic"),   # 125.9 / 107.7 / 239.1
-    (21888, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=264, pack=16),     # 15.2 / 27.2 / 15.5
-    (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=32),      # 11.8 / 17.0 / rejects K
-    (10944, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=528, pack=16),     # 10.1 / 14.3 / 9.1
-    (7168, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 8.2 / 10.9 / 7.0
-    (4096, 4096, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 8.7 / 13.7 / 7.0
-    (4096, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 6.2 / 7.3 / 4.5
-    (3072, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),      # 5.8 / 6.6 / 4.0
-    (2048, 2048, 128, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=3, target_programs=264, pack=16, prefetch=True),   # 5.3 / 6.2 / 3.6
-    (2048, 2048, 128, 4): TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=528, pack=16, reduce="atomic"),   # 6.4 / 6.2 / 4.8
-    (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=528, pack=16, reduce="atomic"),  # 7.1 / 6.2 / 7.7
-    (2048, 2048, 32, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=3, target_programs=264, pack=16, prefetch=True),    # 6.2 / 6.2 / 4.4
-    (3072, 2048, 2048, 1): TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16),     # 5.6 / 6.6 / rejects per-channel
+    # measured on the H200 on 2026-12-02 (scripts/int4_sweep.py --quick, device run 13): us ours / bf16 / tinygemm
+    (102400, 2048, 128, 1): TiledConfig("mma", block_n=64, num_warps=8, chunk=4, ctas=4, pack=16),   # 56.9 / 125.0 / 64.4
+    (102400, 2048, 128, 4): TiledConfig("mma", block_n=64, num_warps=8, chunk=2, pack=16),   # 79.6 / 113.2 / 87.1
+    (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 125.6 / 113.7 / 239.2
+    (21888, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, target_programs=264, pack=16),   # 15.3 / 26.3 / 15.4
+    (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.8 / 17.5 / rejects K
+    (10944, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 9.8 / 14.9 / 9.1
+    (7168, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 7.4 / 10.4 / 6.9
+    (4096, 4096, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 8.3 / 13.9 / 7.0
+    (4096, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 5.1 / 7.4 / 4.4
+    (3072, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / 3.9
+    (2048, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 3.9 / 6.2 / 3.8
+    (2048, 2048, 128, 4): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 6.4 / 6.2 / 4.8
+    (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 7.1 / 6.2 / 7.6
+    (2048, 2048, 32, 1): TiledConfig("rows", block_n=4, num_warps=4, pack=16),   # 5.8 / 6.2 / 4.4
+    (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.7 / rejects per-channel
 }
 
 # Shape classes: (largest bf16 size of the weight in MB, {rows bucket: config}); the first that holds it.
+# Only Triton modes here: the CUDA modes (cuda, mma) fall back to these where NVRTC is missing.
 CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
-    (24.0, {1: TiledConfig("fma", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+    (24.0, {1: TiledConfig("rows", block_n=8, num_warps=4, pack=16),
             4: TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16),
             16: TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16)}),
-    (70.0, {1: TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16),
+    (70.0, {1: TiledConfig("rows", block_n=8, num_warps=4, pack=16),
             4: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16),
             16: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16)}),
     (float("inf"), {1: TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=1056, pack=16),
@@ -708,9 +837,9 @@ CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
-TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-11-29 (same sweep)
+TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweep)
     (2048, 2048): {1, 4}, (3072, 2048): {1}, (4096, 2048): {1}, (4096, 4096): {1}, (7168, 2048): {1},
-    (10944, 2048): {1}, (102400, 2048): {4},
+    (10944, 2048): {1},
     24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 70 MB at one row
 }
 
@@ -730,14 +859,15 @@ def shape_class(n: int, k: int) -> float:
     return next(limit for limit, _ in CLASS_CONFIGS if mb <= limit)
 
 
+def class_config(m: int, n: int, k: int) -> TiledConfig:
+    """The Triton config of the shape class of [N, K] for `m` rows."""
+    limit = shape_class(n, k)
+    return next(c for lim, c in CLASS_CONFIGS if lim == limit)[rows_bucket(m)]
+
+
 def tiled_config(m: int, n: int, k: int, group: int) -> TiledConfig:
     """The launch config for `m` rows on an [N, K] weight (exact tuned shape, else its class)."""
-    b = rows_bucket(m)
-    hit = TUNED.get((n, k, group, b))
-    if hit is None:
-        limit = shape_class(n, k)
-        hit = next(c for lim, c in CLASS_CONFIGS if lim == limit)[b]
-    return hit
+    return TUNED.get((n, k, group, rows_bucket(m))) or class_config(m, n, k)
 
 
 def tiled_pack(n: int, k: int, group: int) -> int:

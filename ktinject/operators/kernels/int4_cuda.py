@@ -1,0 +1,542 @@
+"""CUDA C decode GEMV of `linear_int4` (mode "cuda"), compiled at first use with NVRTC.
+
+Why a CUDA C kernel next to the Triton ones: on the H200 the Triton GEMVs stop at ~1.9 TB/s on a
+100 MB int4 weight while a plain Triton read of the same bytes runs at ~4 TB/s; the unpacking,
+not the memory, is the limit there (scripts/int4_probe.py: 8 nibbles per word halve the read rate,
+one nibble does not). Triton spreads the rows of a [rows, tiles, words] block over the lanes, so the
+x slice each nibble multiplies must be re-laid-out through shared memory for every nibble of every
+tile (a `convert_layout` with a barrier). Here one warp owns whole rows: lane l reads the 16 bytes
+at word 4l of every 128-word step of its rows (512 coalesced bytes per warp load), and the x values
+its 4 words need are staged once per block in shared memory, already multiplied by the nibble
+constant, so every row of the warp reuses them from registers.
+
+Compilation: `torch.cuda._compile_kernel` (NVRTC, shipped with every CUDA build of torch; no nvcc,
+no build step at install). One binary per (pack, groups per tile, rows per warp, warps, steps per
+row, steps per load batch, activation dtype, bias), cached per process. Where that API is missing
+or compilation fails, `available()` is False and `linear_int4` runs its Triton kernels instead
+(`ktinject doctor` says which).
+
+Math (the `_nibble` trick of int4_triton): nibble i of word w placed under the exponent of 1.0 is
+f = 1 + q/C (C = 256 for even i, 16 for odd), so with e = C x staged per input,
+sum_k x (q s + m) = s (sum f e - sum e) + m sum x per group; the two x sums per (4-word quad, group)
+are staged too. Per weight: half a shift, one lop3 and one FMA.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+_PRELUDE = r"""
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define NT (WARPS * 32)
+
+__device__ __forceinline__ float to_f32(u16 v) {
+#if XBF16
+    return __int_as_float(((u32)v) << 16);
+#else
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+#endif
+}
+__device__ __forceinline__ u16 from_f32(float f) {
+    u16 h;
+#if XBF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+__device__ __forceinline__ float h2f(u16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {      // read once: keep it out of L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+"""
+
+_SOURCE = _PRELUDE + r"""
+#define SUB (8 / NSUB)
+
+// nibble i of w as 1 + q/C (C = 256 for even i, 16 for odd): the nibble pair (2a, 2a+1) is shifted to
+// bits 15..22 and each nibble is or-ed under the exponent of 1.0 (one lop3)
+__device__ __forceinline__ float nib(u32 w, int i) {
+    u32 v = (i >> 1) == 0 ? (w << 15) : (i >> 1) == 1 ? (w << 7) : (i >> 1) == 2 ? (w >> 1) : (w >> 9);
+    v = (i & 1) ? ((v & 0x780000u) | 0x3F800000u) : ((v & 0x78000u) | 0x3F800000u);
+    return __int_as_float(v);
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
+              const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
+              int N, int K, int KW, int g_shift, int NG)
+{
+    // x: [K] bf16/fp16; qw: [N, KW] int32 as quads of 4 words; sc, mn: fp16 [NG, N]; out: [N]
+    extern __shared__ float smem[];
+    const int NQ = KW / 4;                       // quads per row (KW is a multiple of P >= 8)
+    float* xc = smem;                            // [KW * 8] C_i * x, zero past K
+    float* qe = smem + KW * 8;                   // [NQ * NSUB] sum of C x per quad and group part
+    float* qs = qe + NQ * NSUB;                  // [NQ * NSUB] sum of x
+    const int tid = threadIdx.x;
+    for (int q = tid; q < NQ; q += NT) {
+        const int wi = q * 4, t = wi / P, j0 = wi % P;
+        float se[NSUB], ss[NSUB];
+#pragma unroll
+        for (int g = 0; g < NSUB; g++) { se[g] = 0.f; ss[g] = 0.f; }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float c = (i & 1) ? 16.f : 256.f;
+            const int k = t * 8 * P + i * P + j0;
+            float v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = k + u < K ? to_f32(x[k + u]) : 0.f;
+            *(float4*)&xc[k] = make_float4(c * v[0], c * v[1], c * v[2], c * v[3]);
+            ss[i / SUB] += (v[0] + v[1]) + (v[2] + v[3]);
+            se[i / SUB] += c * ((v[0] + v[1]) + (v[2] + v[3]));
+        }
+#pragma unroll
+        for (int g = 0; g < NSUB; g++) { qe[q * NSUB + g] = se[g]; qs[q * NSUB + g] = ss[g]; }
+    }
+    __syncthreads();
+
+    const int warp = tid >> 5, lane = tid & 31;
+    const int row0 = (blockIdx.x * WARPS + warp) * R;
+    size_t rbase[R];
+    int rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        rows[r] = min(row0 + r, N - 1);          // clamped: loads need no mask, stores are masked
+        rbase[r] = (size_t)rows[r] * NQ;
+    }
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+
+#pragma unroll
+    for (int s0 = 0; s0 < S; s0 += SB) {
+        uint4 W[R][SB];
+#pragma unroll
+        for (int b = 0; b < SB; b++) {           // every load of the batch first
+            const int q = (s0 + b) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                W[r][b] = (s0 + b < S && q < NQ) ? ld_stream(qw + rbase[r] + q) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < SB; b++) {
+            const int q = (s0 + b) * 32 + lane;
+            if (s0 + b >= S || q >= NQ) continue;
+            const int wi = q * 4, t = wi / P, j0 = wi % P;
+            float4 X[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) X[i] = *(const float4*)&xc[t * 8 * P + i * P + j0];
+#pragma unroll
+            for (int g = 0; g < NSUB; g++) {
+                const float e = qe[q * NSUB + g], xs = qs[q * NSUB + g];
+                const int grp = min((t * 8 * P + g * SUB * P) >> g_shift, NG - 1);
+                const u16* scg = sc + (size_t)grp * N;
+                const u16* mng = mn + (size_t)grp * N;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
+#pragma unroll
+                    for (int ii = 0; ii < SUB; ii++) {
+                        const int i = g * SUB + ii;
+                        t0 = fmaf(nib(W[r][b].x, i), X[i].x, t0);
+                        t1 = fmaf(nib(W[r][b].y, i), X[i].y, t1);
+                        t2 = fmaf(nib(W[r][b].z, i), X[i].z, t2);
+                        t3 = fmaf(nib(W[r][b].w, i), X[i].w, t3);
+                    }
+                    const float s = h2f(__ldg(scg + rows[r])), m = h2f(__ldg(mng + rows[r]));
+                    acc[r] = fmaf(s, ((t0 + t1) + (t2 + t3)) - e, fmaf(m, xs, acc[r]));
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float v = acc[r];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0 && row0 + r < N) {
+#if HAS_BIAS
+            v += to_f32(bias[row0 + r]);
+#endif
+            out[row0 + r] = from_f32(v);
+        }
+    }
+}
+"""
+
+_MMA_SOURCE = _PRELUDE + r"""
+#define NB (NSTEP / V)                               // load batches per 8-row tile (NSTEP % V == 0)
+#if XBF16
+#define MAGIC 0x43004300u                            // bf16 128 + q: exact (spacing 1 on [128, 256))
+#define MAGIC_V 128.f
+#else
+#define MAGIC 0x64006400u                            // fp16 1024 + q
+#define MAGIC_V 1024.f
+#endif
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if XBF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// One warp computes 8 output rows (an "n tile") for up to 16 rows of x with tensor cores. Lane L = 4 g + c
+// reads the 16 bytes at words 16 s + 4 c .. +3 of row 8 nt + g for every step s of 16 words (the 4 lanes
+// of a row read 64 contiguous bytes). The nibbles a and a + 4 of a word, masked and or-ed under the
+// exponent of MAGIC (one lop3), are the pair (MAGIC_V + q_a, MAGIC_V + q_{a+4}) exactly: the pairs a = 0, 1
+// are the B fragment (k = 2c, 2c+1 | 2c+8, 2c+9; n = g) of one m16n8k16 mma, a = 2, 3 of a second. The A
+// fragment (row g of x at the same k slots) is the matching pair of x values, staged in shared memory in
+// that order, 4 pairs of a word in one 16-byte load (rows past M read a row of zeros; 16 bytes of padding
+// every 8 words keep the 4 lanes of a row on distinct banks). A step's inputs share one scale group (P % 16 == 0, G >= 8P), so after the 8 mma of a step
+// sum_k (MAGIC_V + q) x = D, and the step adds s (D - MAGIC_V X) + m X, X = sum of x over the step.
+extern "C" __global__ void __launch_bounds__(NT)
+ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
+             const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
+             int N, int K, int KW, int g_shift, int NG, int M, int stride_xm, int stride_om)
+{
+    extern __shared__ u32 smem[];
+    const int KWP = KW * 4 + (KW / 8) * 4;           // padded row of x pairs
+    u32* xp = smem;                                  // [M + 1][KWP] x pairs (nibble a, a + 4) per word; row M = 0
+    float* xsum = (float*)(smem + (M + 1) * KWP);    // [M][NSTEP] sum of x over each step's inputs
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int KQ = KW / 4;                           // uint4 per row
+    const int n_tiles = (N + 7) / 8;
+    int nt = blockIdx.x * WARPS + warp;
+    const int nt_step = gridDim.x * WARPS;
+
+    // first batch of weights in flight before the x staging
+    uint4 wcur[V];
+    {
+        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
+#pragma unroll
+        for (int v = 0; v < V; v++) wcur[v] = nt < n_tiles ? ld_stream(wp + 4 * v) : make_uint4(0, 0, 0, 0);
+    }
+    for (int i = tid; i < KWP; i += NT) xp[M * KWP + i] = 0u;
+    for (int i = tid; i < M * KW * 4; i += NT) {
+        const int m = i / (KW * 4), r = i - m * KW * 4, wc = r >> 2, a = r & 3;
+        const int k0 = (wc / P) * 8 * P + a * P + (wc % P), k1 = k0 + 4 * P;
+        const u16* xm = x + (size_t)m * stride_xm;
+        const u32 v0 = k0 < K ? xm[k0] : 0u, v1 = k1 < K ? xm[k1] : 0u;
+        xp[m * KWP + wc * 4 + (wc >> 3) * 4 + a] = v0 | (v1 << 16);
+    }
+    for (int i = warp; i < M * NSTEP; i += WARPS) {  // one warp per (row, step): 128 inputs, 4 a lane
+        const int m = i / NSTEP, st = i - m * NSTEP;
+        const int wc = st * 16 + (lane & 15), a = (lane >> 4) * 2;
+        const int t = wc / P, j = wc % P;
+        const u16* xm = x + (size_t)m * stride_xm;
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int k = t * 8 * P + (a + (e & 1) + (e >> 1) * 4) * P + j;
+            acc += k < K ? to_f32(xm[k]) : 0.f;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) xsum[i] = acc;
+    }
+    __syncthreads();
+
+    const bool arow0 = g < M;
+#if M16
+    const bool arow1 = g + 8 < M;
+#endif
+    const int lo = 16 * c + 4 * (c >> 1);            // word 4 c (+ its padding) within a step
+    const u32* xa_row = xp + (arow0 ? g : M) * KWP + lo;
+#if M16
+    const u32* xb_row = xp + (arow1 ? g + 8 : M) * KWP + lo;
+#endif
+    while (nt < n_tiles) {
+        const int nt_next = nt + nt_step;
+        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
+        const uint4* wpn = qw + (size_t)min(nt_next * 8 + g, N - 1) * KQ + c;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const int n0 = nt * 8 + 2 * c;               // this lane's outputs n0, n0 + 1 (rows g, g + 8 of x)
+        const u16* sc0 = sc + min(n0, N - 1);
+        const u16* sc1 = sc + min(n0 + 1, N - 1);
+        const u16* mn0 = mn + min(n0, N - 1);
+        const u16* mn1 = mn + min(n0 + 1, N - 1);
+#pragma unroll UNROLL_B
+        for (int b = 0; b < NB; b++) {
+            uint4 wnext[V];                          // the next batch (or the next tile's first) in flight
+#pragma unroll
+            for (int v = 0; v < V; v++) {
+                if (b + 1 < NB) wnext[v] = ld_stream(wp + 4 * ((b + 1) * V + v));
+                else wnext[v] = nt_next < n_tiles ? ld_stream(wpn + 4 * v) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int v = 0; v < V; v++) {
+                const int st = b * V + v;
+                float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};   // two chains of mma
+                const u32 wv[4] = {wcur[v].x, wcur[v].y, wcur[v].z, wcur[v].w};
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const u32 w = wv[u];
+                    const u32 q0 = (w & 0x000F000Fu) | MAGIC, q1 = ((w >> 4) & 0x000F000Fu) | MAGIC;
+                    const u32 q2 = ((w >> 8) & 0x000F000Fu) | MAGIC, q3 = ((w >> 12) & 0x000F000Fu) | MAGIC;
+                    const int wo = (st * 16 + u) * 4 + st * 8;  // word 16 st + 4 c + u (with lo)
+                    const uint4 xa = *(const uint4*)&xa_row[wo];
+#if M16
+                    const uint4 xb = *(const uint4*)&xb_row[wo];
+#else
+                    const uint4 xb = make_uint4(0, 0, 0, 0);
+#endif
+                    mma((u & 1) ? e : d, xa.x, xb.x, xa.y, xb.y, q0, q1);
+                    mma((u & 1) ? e : d, xa.z, xb.z, xa.w, xb.w, q2, q3);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++) d[i] += e[i];
+                const size_t go = (size_t)min(((st * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
+                const float s0 = h2f(__ldg(sc0 + go)), s1 = h2f(__ldg(sc1 + go));
+                const float m0 = h2f(__ldg(mn0 + go)), m1 = h2f(__ldg(mn1 + go));
+                if (arow0) {
+                    const float X = xsum[g * NSTEP + st];
+                    acc[0] += s0 * (d[0] - MAGIC_V * X) + m0 * X;
+                    acc[1] += s1 * (d[1] - MAGIC_V * X) + m1 * X;
+                }
+#if M16
+                if (arow1) {
+                    const float X = xsum[(g + 8) * NSTEP + st];
+                    acc[2] += s0 * (d[2] - MAGIC_V * X) + m0 * X;
+                    acc[3] += s1 * (d[3] - MAGIC_V * X) + m1 * X;
+                }
+#endif
+            }
+#pragma unroll
+            for (int v = 0; v < V; v++) wcur[v] = wnext[v];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int m = g + (e >> 1) * 8, n = n0 + (e & 1);
+            if (m < M && n < N) {
+                float y = acc[e];
+#if HAS_BIAS
+                y += to_f32(bias[n]);
+#endif
+                out[(size_t)m * stride_om + n] = from_f32(y);
+            }
+        }
+        nt = nt_next;
+    }
+}
+"""
+
+STEP_WORDS = 128          # words one warp load covers per row (32 lanes x 16 bytes)
+
+
+@dataclass(frozen=True)
+class CudaGemvShape:
+    """Compile-time constants of one binary."""
+    pack: int
+    nsub: int
+    rows_per_warp: int
+    warps: int
+    steps: int
+    step_batch: int
+    bf16: bool
+    bias: bool
+
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def _compile_api():
+    return getattr(torch.cuda, "_compile_kernel", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _binary(shape, device_index: int):
+    """The compiled kernel of `shape` (`CudaGemvShape` or `MmaShape`) on one GPU (NVRTC, once per process)."""
+    api = _compile_api()
+    if api is None:
+        raise RuntimeError("this torch has no torch.cuda._compile_kernel (NVRTC); the CUDA int4 GEMV needs torch >= 2.8")
+    name = "ktk_int4_mma" if isinstance(shape, MmaShape) else "ktk_int4_gemv"
+    with torch.cuda.device(device_index):
+        return api(source(shape), name, nvcc_options=["--std=c++17"])
+
+
+def source(shape) -> str:
+    """The CUDA source of one binary (`CudaGemvShape` or `MmaShape`): its constants, then the kernel."""
+    if isinstance(shape, MmaShape):
+        consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
+                  "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
+                  "UNROLL_B": min(shape.steps // shape.batch, 8), "M16": int(shape.rows16)}
+        body = _MMA_SOURCE
+    else:
+        consts = {"P": shape.pack, "NSUB": shape.nsub, "R": shape.rows_per_warp, "WARPS": shape.warps,
+                  "S": shape.steps, "SB": shape.step_batch, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
+        body = _SOURCE
+    return "".join(f"#define {k} {v}\n" for k, v in consts.items()) + body
+
+
+def shared_bytes(kw: int, nsub: int) -> int:
+    return (kw * 8 + 2 * (kw // 4) * nsub) * 4
+
+
+def available(device=None) -> bool:
+    """True when the CUDA GEMV compiles and gives the right answer on this GPU (checked once per device)."""
+    if not torch.cuda.is_available() or _compile_api() is None:
+        return False
+    dev = torch.device(device if device is not None else "cuda")
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    with _LOCK:
+        if idx not in _STATE:
+            _STATE[idx] = _self_test(idx)
+        return _STATE[idx] is None
+
+
+def unavailable_reason(device=None) -> str | None:
+    """Why `available()` is False (None when it is True)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if _compile_api() is None:
+        return "torch.cuda._compile_kernel (NVRTC) is missing from this torch"
+    available(device)
+    dev = torch.device(device if device is not None else "cuda")
+    return _STATE.get(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _self_test(idx: int) -> str | None:
+    from . import int4_pack
+    try:
+        with torch.cuda.device(idx):
+            g = torch.Generator(device="cpu").manual_seed(1)
+            w = torch.randn(96, 392, generator=g) * 0.05
+            iw = int4_pack.quantize(w, 64)
+            tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
+            x = torch.randn(1, 392, generator=g).to(f"cuda:{idx}", torch.bfloat16)
+            ref = x.float() @ int4_pack.dequantize(iw, torch.float32).to(x.device).T
+            y = gemv(x, tw, None, rows_per_warp=2, warps=4, step_batch=1)
+            torch.cuda.synchronize()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                return f"self-test mismatch (relative error {err:.3g})"
+        return None
+    except Exception as exc:                                          # noqa: BLE001 - reported by doctor
+        msg = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {msg[-1][:200] if msg else ''}"
+
+
+def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp: int = 2, warps: int = 4,
+         step_batch: int = 2) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for one row x: [1, K] bf16/fp16 and `w` an `int4_pack.Int4Tiled`; [1, N] in x.dtype."""
+    from .int4_triton import tiled_groups
+    m, k = x.shape
+    n, kw = w.qweight.shape
+    if m != 1:
+        raise ValueError(f"the CUDA int4 GEMV takes one row, got {m}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the CUDA int4 GEMV takes bf16/fp16 activations, got {x.dtype}")
+    if k != w.in_features:
+        raise ValueError(f"x has {k} columns, the weight {w.in_features}")
+    if not (w.qweight.is_contiguous() and w.scales.is_contiguous() and w.mins.is_contiguous()):
+        raise ValueError("the int4 weight tensors must be contiguous")
+    nsub, g_shift = tiled_groups(w)
+    if w.pack % 4 or kw % 4:
+        raise ValueError(f"pack {w.pack} must be a multiple of 4")
+    x = x.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    steps = -(-kw // STEP_WORDS)
+    shape = CudaGemvShape(w.pack, nsub, rows_per_warp, warps, steps, max(1, min(step_batch, steps)),
+                          x.dtype == torch.bfloat16, bias is not None)
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kern = _binary(shape, idx)
+    smem = shared_bytes(kw, nsub)
+    if smem >= 48 * 1024:
+        kern.set_shared_memory_config(smem)
+    out = torch.empty((1, n), device=x.device, dtype=x.dtype)
+    rows_per_block = rows_per_warp * warps
+    kern(grid=(-(-n // rows_per_block), 1, 1), block=(warps * 32, 1, 1),
+         args=[x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+               n, k, kw, g_shift, int(w.scales.shape[0])], shared_mem=smem)
+    return out
+
+
+MMA_MAX_ROWS = 16
+_SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
+
+
+@dataclass(frozen=True)
+class MmaShape:
+    pack: int
+    steps: int            # 16-word steps per row
+    batch: int            # steps per load batch (divides steps)
+    warps: int
+    bf16: bool
+    bias: bool
+    rows16: bool          # more than 8 rows of x: the mma's rows 8..15 are used too
+
+
+def mma_shared_bytes(m: int, kw: int) -> int:
+    return ((m + 1) * (kw * 4 + (kw // 8) * 4) + m * (kw // 16)) * 4
+
+
+def mma_fits(w, m: int) -> str | None:
+    """Why the tensor-core GEMV cannot take `m` rows on `w` (None when it can)."""
+    from .int4_triton import tiled_groups
+    if not 1 <= m <= MMA_MAX_ROWS:
+        return f"it takes 1..{MMA_MAX_ROWS} rows, got {m}"
+    if w.pack % 16:
+        return f"it needs pack 16 or 32, the weight has {w.pack}"
+    if tiled_groups(w)[0] != 1:
+        return f"it needs one scale group per tile (group size {w.group_size} < 8 x pack {w.pack})"
+    if mma_shared_bytes(m, int(w.qweight.shape[1])) > _SMEM_LIMIT:
+        return f"{m} rows of {w.in_features} inputs do not fit in shared memory"
+    return None
+
+
+def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int = 4, batch: int = 2,
+             ctas_per_sm: int = 0) -> torch.Tensor:
+    """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack
+    16 or 32 and one group per tile; [M, N] in x.dtype. ctas_per_sm > 0: a persistent grid of that many
+    blocks per SM (each warp loops over 8-row tiles), else one warp per 8-row tile."""
+    from .int4_triton import tiled_groups
+    m, k = x.shape
+    n, kw = w.qweight.shape
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the CUDA int4 GEMV takes bf16/fp16 activations, got {x.dtype}")
+    if k != w.in_features:
+        raise ValueError(f"x has {k} columns, the weight {w.in_features}")
+    why = mma_fits(w, m)
+    if why:
+        raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    steps = kw // 16
+    batch = max(1, min(batch, steps))
+    while steps % batch:
+        batch -= 1
+    shape = MmaShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None, m > 8)
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kern = _binary(shape, idx)
+    smem = mma_shared_bytes(m, kw)
+    if smem >= 48 * 1024:
+        kern.set_shared_memory_config(smem)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    blocks = -(-(-(-n // 8)) // warps)
+    if ctas_per_sm > 0:
+        blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
+    kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1),
+         args=[x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+               n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)],
+         shared_mem=smem)
+    return out
