@@ -1,25 +1,33 @@
-"""CUDA C decode GEMV of `linear_int4` (mode "cuda"), compiled at first use with NVRTC.
+"""CUDA C decode GEMVs of `linear_int4` (modes "cuda" and "mma"), compiled at first use with NVRTC.
 
-Why a CUDA C kernel next to the Triton ones: on the H200 the Triton GEMVs stop at ~1.9 TB/s on a
-100 MB int4 weight while a plain Triton read of the same bytes runs at ~4 TB/s; the unpacking,
-not the memory, is the limit there (scripts/int4_probe.py: 8 nibbles per word halve the read rate,
-one nibble does not). Triton spreads the rows of a [rows, tiles, words] block over the lanes, so the
-x slice each nibble multiplies must be re-laid-out through shared memory for every nibble of every
-tile (a `convert_layout` with a barrier). Here one warp owns whole rows: lane l reads the 16 bytes
-at word 4l of every 128-word step of its rows (512 coalesced bytes per warp load), and the x values
-its 4 words need are staged once per block in shared memory, already multiplied by the nibble
-constant, so every row of the warp reuses them from registers.
+Why CUDA C next to the Triton kernels: on the H200 the Triton GEMVs stop at ~1.9 TB/s on a 100 MB
+int4 weight while a Triton read of the same bytes runs at ~4 TB/s; the unpacking, not the memory, is
+the limit (scripts/int4_probe.py: 8 nibbles per word halve the read rate, one nibble does not), and
+Triton adds to it: it spreads the rows of a [rows, tiles, words] block over the lanes, so the x slice
+each nibble multiplies is re-laid-out through shared memory, with a barrier, for every nibble of every
+tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
+
+* `gemv` (mode "cuda", one row): a warp owns whole rows; lane l reads the 16 bytes at word 4l of every
+  128-word step of its rows (512 coalesced bytes per warp load); the x values its 4 words need are
+  staged once per block in shared memory, already multiplied by the nibble constant, and reused by all
+  rows of the warp. Math (the `_nibble` trick of int4_triton): nibble i placed under the exponent of 1.0
+  is f = 1 + q/C (C = 256 for even i, 16 for odd), so with e = C x, sum_k x (q s + m) =
+  s (sum f e - sum e) + m sum x per group. Per weight: half a shift, one lop3, one FMA.
+* `gemv_mma` (mode "mma", 1-16 rows): tensor cores. Two nibbles become an exact bf16 (fp16) pair
+  128 + q (1024 + q) with one lop3 and are the B fragment of an m16n8k16 mma as they are; x is the A
+  fragment. Per 8 weights: 3 shifts, 4 lop3 and a quarter of an mma, for any number of rows up to 16.
+
+Measured (docs/gpu.md): both reach ~2.0 TB/s on the lm_head, like the Triton kernels. Nsight Compute
+counts ~190 warp instructions per 1024 weights for the mma kernel (4 warps a block, no persistent grid),
+of which its inner loop needs 36 (per word 3 shifts and 4 lop3; 8 mma a step); the PTX of a step holds
+~97. The rest, the x staging of every block, the per-step scale loads and corrections and the 64-bit
+address arithmetic, is what the next step must cut (a persistent grid already helps: it stages x once
+per block, and measured fastest).
 
 Compilation: `torch.cuda._compile_kernel` (NVRTC, shipped with every CUDA build of torch; no nvcc,
-no build step at install). One binary per (pack, groups per tile, rows per warp, warps, steps per
-row, steps per load batch, activation dtype, bias), cached per process. Where that API is missing
-or compilation fails, `available()` is False and `linear_int4` runs its Triton kernels instead
-(`ktinject doctor` says which).
-
-Math (the `_nibble` trick of int4_triton): nibble i of word w placed under the exponent of 1.0 is
-f = 1 + q/C (C = 256 for even i, 16 for odd), so with e = C x staged per input,
-sum_k x (q s + m) = s (sum f e - sum e) + m sum x per group; the two x sums per (4-word quad, group)
-are staged too. Per weight: half a shift, one lop3 and one FMA.
+no build step at install). One binary per compile-time shape (`CudaGemvShape`, `MmaShape`), cached per
+process. Where that API is missing or the self-test fails, `available()` is False and `linear_int4`
+runs its Triton kernels instead (`ktinject doctor` says which and why).
 """
 from __future__ import annotations
 
