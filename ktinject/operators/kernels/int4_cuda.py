@@ -403,6 +403,9 @@ def available(device=None) -> bool:
         return False
     dev = torch.device(device if device is not None else "cuda")
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    known = _STATE.get(idx, _STATE)              # (per call on the decode path: no lock once known)
+    if known is not _STATE:
+        return known is None
     with _LOCK:
         if idx not in _STATE:
             _STATE[idx] = _self_test(idx)
