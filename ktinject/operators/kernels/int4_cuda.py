@@ -424,20 +424,26 @@ def unavailable_reason(device=None) -> str | None:
 
 
 def _self_test(idx: int) -> str | None:
+    """Both kernels on a small odd shape against the dequantized weight; None when they agree."""
     from . import int4_pack
+    major, minor = torch.cuda.get_device_capability(idx)
+    if major < 8:
+        return f"needs compute capability 8.0 or later (bf16 conversions, m16n8k16 mma), this GPU has {major}.{minor}"
     try:
         with torch.cuda.device(idx):
             g = torch.Generator(device="cpu").manual_seed(1)
             w = torch.randn(96, 392, generator=g) * 0.05
-            iw = int4_pack.quantize(w, 64)
-            tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
-            x = torch.randn(1, 392, generator=g).to(f"cuda:{idx}", torch.bfloat16)
-            ref = x.float() @ int4_pack.dequantize(iw, torch.float32).to(x.device).T
-            y = gemv(x, tw, None, rows_per_warp=2, warps=4, step_batch=1)
-            torch.cuda.synchronize()
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            if not err < 1e-2:
-                return f"self-test mismatch (relative error {err:.3g})"
+            for group, rows, run in ((64, 1, lambda x_, t_: gemv(x_, t_, None, rows_per_warp=2, warps=4, step_batch=1)),
+                                     (128, 3, lambda x_, t_: gemv_mma(x_, t_, None, warps=2, batch=2))):
+                iw = int4_pack.quantize(w, group)
+                tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
+                x = torch.randn(rows, 392, generator=g).to(f"cuda:{idx}", torch.bfloat16)
+                ref = x.float() @ int4_pack.dequantize(iw, torch.float32).to(x.device).T
+                y = run(x, tw)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    return f"self-test mismatch ({'mma' if rows > 1 else 'one-row'} kernel, relative error {err:.3g})"
         return None
     except Exception as exc:                                          # noqa: BLE001 - reported by doctor
         msg = str(exc).strip().splitlines()
