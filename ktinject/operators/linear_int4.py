@@ -194,7 +194,7 @@ class Int4Linear(Operator):
                 got = T.tiled_workspace_need(rows, self.out_features, self.weight_tiled.n_tiles, cfg)
                 need = [max(a, b) for a, b in zip(need, got)]
                 if cfg.mode in ("cuda", "mma") and self.qweight.is_cuda:
-                    T.warm_up(self.weight_tiled, rows, cfg)    # compile (NVRTC) now, never inside a graph capture
+                    T.warm_up(self.weight_tiled, rows, cfg, self.bias is not None)   # compile now, not in a capture
         T.reserve_workspace(self.qweight.device, *need)
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:

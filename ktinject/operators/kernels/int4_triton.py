@@ -776,13 +776,19 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     return out
 
 
-def warm_up(w, rows: int, cfg: TiledConfig) -> None:
-    """Run the GEMV once on zeros (compiles the NVRTC kernels of modes cuda/mma and runs their self-test);
-    linear_int4 calls it at load, as a CUDA-graph capture must not compile or synchronize."""
+def warm_up(w, rows: int, cfg: TiledConfig, with_bias: bool = False) -> None:
+    """Run the GEMV on zeros for every binary a call of this rows bucket can need (bf16 and fp16, with a
+    bias if the layer has one, and for the tensor-core kernel up to 8 rows and past 8): this compiles the NVRTC
+    kernels of modes cuda/mma and runs their self-test. linear_int4 calls it at load, as a CUDA-graph
+    capture must neither compile nor synchronize."""
     if not (w.qweight.is_cuda and not torch.cuda.is_current_stream_capturing()):
         return
+    counts = {rows, min(rows, 8)} if cfg.mode != "cuda" else {rows}
     for dtype in (torch.bfloat16, torch.float16):
-        int4_gemv_tiled(torch.zeros(rows, w.in_features, device=w.qweight.device, dtype=dtype), w, None, cfg)
+        for m in sorted(counts):
+            x = torch.zeros(m, w.in_features, device=w.qweight.device, dtype=dtype)
+            bias = torch.zeros(w.qweight.shape[0], device=x.device, dtype=dtype) if with_bias else None
+            int4_gemv_tiled(x, w, bias, cfg)
 
 
 def int4_dequantize_tiled(w, dtype: torch.dtype) -> torch.Tensor:
