@@ -286,12 +286,26 @@ class Int4Linear(Operator):
             y = nn.functional.linear(x2, w, bias)
         return y.reshape(*lead, self.out_features)
 
+    def _path_label(self, rows: int) -> str:
+        """`path(rows)`, with the GEMV's kernel mode (after any fallback) for `ktinject explain`."""
+        path = self.path(rows)
+        if path != "gemv" or not self.pack:
+            return path
+        from .kernels import int4_cuda, int4_triton as T
+        cfg = self._gemv_config(rows, torch.bfloat16)
+        mode = cfg.mode
+        if mode in ("cuda", "mma"):
+            ok = self.qweight.is_cuda and int4_cuda.available(self.qweight.device) and (
+                rows == 1 if mode == "cuda" else int4_cuda.mma_fits(self.weight_tiled, rows) is None)
+            mode = mode if ok else T.class_config(rows, self.out_features, self.in_features).mode
+        return f"gemv({mode})"
+
     def extra_repr(self) -> str:
         dev = self.qweight.device.type
         if self.path(1) == "torch":
             paths = "torch dequantize+matmul"
         else:
-            by_rows = {r: self.path(r) for r in ROWS_BUCKETS if r <= max(self.options.gemv_max_batch, 1)}
+            by_rows = {r: self._path_label(r) for r in ROWS_BUCKETS if r <= max(self.options.gemv_max_batch, 1)}
             kinds = list(dict.fromkeys(by_rows.values()))
             paths = ", ".join(f"{k} at {'/'.join(str(r) for r, v in by_rows.items() if v == k)} rows" for k in kinds)
             paths += f" (bf16), dequant+matmul above {self.options.gemv_max_batch}"
