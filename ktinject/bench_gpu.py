@@ -28,6 +28,25 @@ log = logging.getLogger("ktinject.bench_gpu")
 L2_BYTES = 256 << 20        # cycle at least this many weight bytes per graph replay
 
 
+def read_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
+    """HBM read bandwidth in bytes/s: a Triton kernel that sums int32 words with 16-byte loads over `gib` GiB
+    (far past the L2), median of `reps` graph replays. The roofline of every weight-streaming GEMV."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_sum(w_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(w_ptr + offs, eviction_policy="evict_first"), axis=0))
+
+    block = 8192
+    n = int(gib * 2**30) // 4 // block * block
+    buf = torch.ones(n, dtype=torch.int32, device="cuda")
+    sums = torch.empty(n // block, dtype=torch.int32, device="cuda")
+    t = graph_time([lambda: _stream_sum[(n // block,)](buf, sums, BLOCK=block, num_warps=8)], reps)
+    return n * 4 / t
+
+
 def hardware_line() -> str:
     import triton
     p = torch.cuda.get_device_properties(0)

@@ -11,6 +11,8 @@ our `int4_gemv_tiled` over a small grid of (mode, pack, block_n, warps, stages, 
 Every config is first checked against the dequantized weight in fp32 (and run twice: the split-K
 reduction must be deterministic); one that fails to compile or to match is skipped with one line.
 
+The roofline: the HBM read bandwidth measured first in the same process (`bench_gpu.read_bandwidth`: a
+Triton streaming sum over 2 GiB); column HBM is the best config's int4 bytes per second over it.
 Prints one `JSON {...}` line per (shape, batch) as it finishes, a table at the end, and the
 `TUNED` / `TINYGEMM_FASTER` entries to paste into ktinject/operators/kernels/int4_triton.py.
 The kernels are compiled up front in parallel worker processes (--jobs) into the Triton cache.
@@ -209,8 +211,8 @@ def rel_err(y, ref) -> float:
 
 def summarize(results, T, dev_name: str) -> None:
     """The table and the entries to paste into int4_triton.py."""
-    print(f"\n{'shape':<24}{'M':>3}{'bf16 us':>9}{'tg us':>8}{'ours us':>9}{'GB/s':>7}{'x bf16':>8}{'x tg':>6}"
-          f"{'dflt us':>9}  best config (split)")
+    print(f"\n{'shape':<24}{'M':>3}{'bf16 us':>9}{'tg us':>8}{'ours us':>9}{'GB/s':>7}{'HBM':>6}{'x bf16':>8}"
+          f"{'x tg':>6}{'dflt us':>9}  best config (split)")
     for r in results:
         b = r.get("best")
         tg = f"{r['tinygemm_us']:8.1f}" if r.get("tinygemm_us") else f"{'rej':>8}"
@@ -219,7 +221,7 @@ def summarize(results, T, dev_name: str) -> None:
             continue
         d = r.get("default", {}).get("us")
         print(f"{r['shape'][:23]:<24}{r['batch']:>3}{r['bf16_us']:9.1f}{tg}{b['us']:9.1f}{b['GBps']:7.0f}"
-              f"{r['x_bf16']:8.2f}{r.get('x_tinygemm', float('nan')):6.2f}{(d or float('nan')):9.1f}  "
+              f"{b.get('hbm_fraction', float('nan')):6.2f}{r['x_bf16']:8.2f}{r.get('x_tinygemm', float('nan')):6.2f}{(d or float('nan')):9.1f}  "
               f"{cfg_short(T.TiledConfig(**b['cfg']))} ({b['split']})")
 
     # paste-ready entries: per shape one pack (the best single-row config's), per batch the best with it
@@ -332,6 +334,11 @@ def main(argv=None) -> int:
         if err:
             skip(f"{cfg_short(make_cfg(T, task[4]))} K={task[0]} g={task[1]} M={task[3]}: compile/run failed: {err}")
 
+    hbm = None
+    if not selftest:
+        from ktinject.bench_gpu import read_bandwidth
+        hbm = read_bandwidth()
+        print(f"HBM read bandwidth (Triton streaming sum over 2 GiB): {hbm / 1e9:.0f} GB/s", flush=True)
     cuda_ok = not selftest and T.int4_cuda.available()
     if not selftest:
         print(f"CUDA (NVRTC) GEMV: {'available' if cuda_ok else T.int4_cuda.unavailable_reason()}", flush=True)
@@ -435,6 +442,8 @@ def main(argv=None) -> int:
                 p = best["cfg"].pack
                 row["best"] = {"cfg": cfg_dict(best["cfg"]), "us": round(best["us"], 2), "split": best["split"],
                                "GBps": round(int4_bytes[p] / best["us"] / 1e3, 1), "rel_err": round(best["err"], 5)}
+                if hbm:
+                    row["best"]["hbm_fraction"] = round(int4_bytes[p] / (best["us"] * 1e-6) / hbm, 3)
                 row["best_by_pack"] = {}
                 for pk in sorted(tiled):
                     tp = [r for r in timings if r["cfg"].pack == pk]
@@ -468,6 +477,7 @@ def main(argv=None) -> int:
     if out:
         with open(out, "w") as f:
             json.dump({"device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
+                       "hbm_read_GBps": round(hbm / 1e9, 1) if hbm else None,
                        "results": results}, f, indent=1)
         print(f"wrote {out}")
     return 0
