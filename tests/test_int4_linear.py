@@ -302,23 +302,33 @@ def test_shape_classes_hold_only_triton_modes():
     from ktinject.operators.kernels import int4_triton as T
     for _, by_rows in T.CLASS_CONFIGS:
         assert all(c.mode in ("fma", "fma_dq", "rows", "dot", "dot_x") for c in by_rows.values())
+    assert T.ROWS_CLASS.mode == "rows" and T.class_config(1, 5000, 2048) is T.ROWS_CLASS
+    assert T.class_config(1, 2048, 8192).mode == "fma"          # tall K: the split-K kernel, not `rows`
+    assert T.class_config(4, 5000, 2048).mode == "dot_x" and T.class_config(1, 102400, 4096).mode == "fma"
     for (n, k, g, rows), cfg in T.TUNED.items():      # one pack per shape (the layout is made once)
         assert cfg.pack == T.tiled_config(1, n, k, g).pack, (n, k, g, rows)
         assert cfg.mode != "cuda" or rows == 1
 
 
-def test_cuda_gemv_reports_why_it_is_missing():
+def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     from ktinject.operators.kernels import int4_cuda
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the gpu tests cover the kernel")
     assert not int4_cuda.available() and int4_cuda.unavailable_reason() == "no CUDA device"
     tw = P.tile(P.quantize(torch.randn(8, 256), 128))
-    with pytest.raises(ValueError, match="one row"):
-        int4_cuda.gemv(torch.randn(2, 256, dtype=torch.bfloat16), tw)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        int4_cuda.gemv(torch.randn(1, 256, dtype=torch.bfloat16), tw)
     with pytest.raises(ValueError, match="bf16/fp16"):
         int4_cuda.gemv(torch.randn(1, 256), tw)
     with pytest.raises(ValueError, match="columns"):
-        int4_cuda.gemv(torch.randn(1, 128, dtype=torch.bfloat16), tw)
+        int4_cuda.gemv_mma(torch.randn(1, 128, dtype=torch.bfloat16), tw)
+    assert "one row" in int4_cuda.cuda_fits(tw, 2, 0)
+    assert "1..16 rows" in int4_cuda.mma_fits(tw, 17)
+    assert "pack 16 or 32" in int4_cuda.mma_fits(P.tile(P.quantize(torch.randn(8, 256), 64), 8), 1)
+    assert "one scale group" in int4_cuda.mma_fits(P.tile(P.quantize(torch.randn(8, 256), 32), 16), 1)
+    assert int4_cuda.mma_fits(tw, 16) is None
+    monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
+    assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
 
 @pytest.mark.gpu

@@ -8,9 +8,10 @@ On CUDA the weight is stored once, in the tiled layout of the decode kernel (`in
 tiles of 8P inputs, P = 16 or 32 words, chosen per shape class), converted at load. Paths,
 chosen per call by the number of rows and recorded in `extra_repr` (so in the plan):
 
-* `gemv` (CUDA, rows <= `gemv_max_batch`, at most 16): the Triton tiled GEMV of
-  `kernels/int4_triton.py` (`int4_gemv_tiled`), its launch config by shape class and rows bucket
-  (`int4_triton.tiled_config`, tuned with `scripts/int4_sweep.py`);
+* `gemv` (CUDA, rows <= `gemv_max_batch`, at most 16): `int4_gemv_tiled` of `kernels/int4_triton.py`,
+  its kernel and launch config by exact shape or shape class and rows bucket (`int4_triton.tiled_config`,
+  tuned with `scripts/int4_sweep.py`): the Triton kernels, or where they measured faster the CUDA C ones
+  of `kernels/int4_cuda.py` (NVRTC at first use; `KTINJECT_INT4_CUDA=0` turns them off);
 * `tinygemm` (CUDA, bf16 activations, rows <= `gemv_max_batch`, K % 128 == 0, group 32..256):
   torch's `aten._weight_int4pack_mm` on a second int4 copy repacked to its layout at load; with
   `backend: tinygemm` always, with `auto` only for the shape classes and rows buckets where it
@@ -87,7 +88,7 @@ class Int4Linear(Operator):
     Options = Int4Options
     replaces = ("Linear",)
     device_types = ("cuda", "cpu")
-    summary = "4-bit weight-only linear (Triton GEMV at decode, dequantize+matmul at prefill)"
+    summary = "4-bit weight-only linear (Triton / CUDA GEMV at decode, dequantize+matmul at prefill)"
     # tests only: take the CUDA paths (tiled layout, Triton kernels) on CPU tensors, to run them under
     # TRITON_INTERPRET=1 on a machine without a GPU
     _kernels_on_cpu = False
@@ -231,7 +232,9 @@ class Int4Linear(Operator):
         from .kernels import int4_triton as T
         cfg = T.tiled_config(rows, self.out_features, self.in_features, self.group_size)
         half = dtype in (torch.bfloat16, torch.float16)
-        if (cfg.mode in ("dot", "dot_x") and (self.pack < 16 or not half)) or (cfg.mode in ("cuda", "mma") and not half):
+        if cfg.mode in ("cuda", "mma") and not half:          # the CUDA kernels take half activations
+            cfg = T.class_config(rows, self.out_features, self.in_features)
+        if cfg.mode in ("dot", "dot_x") and (self.pack < 16 or not half):
             if rows > 4:
                 return None                   # tensor cores and the CUDA kernels need half activations
             cfg = replace(cfg, mode="fma")
@@ -295,8 +298,12 @@ class Int4Linear(Operator):
         cfg = self._gemv_config(rows, torch.bfloat16)
         mode = cfg.mode
         if mode in ("cuda", "mma"):
-            ok = self.qweight.is_cuda and int4_cuda.available(self.qweight.device) and (
-                rows == 1 if mode == "cuda" else int4_cuda.mma_fits(self.weight_tiled, rows) is None)
+            dev = self.qweight.device
+            ok = dev.type == "cuda" and int4_cuda.available(dev)
+            if ok:
+                idx = dev.index if dev.index is not None else torch.cuda.current_device()
+                fits = int4_cuda.cuda_fits if mode == "cuda" else int4_cuda.mma_fits
+                ok = fits(self.weight_tiled, rows, idx) is None
             mode = mode if ok else T.class_config(rows, self.out_features, self.in_features).mode
         return f"gemv({mode})"
 

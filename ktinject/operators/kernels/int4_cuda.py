@@ -397,15 +397,26 @@ def shared_bytes(kw: int, nsub: int) -> int:
     return (kw * 8 + 2 * (kw // 4) * nsub) * 4
 
 
+def _disabled() -> str | None:
+    import os
+    if os.environ.get("KTINJECT_INT4_CUDA", "1").strip().lower() in ("0", "off", "false", "no"):
+        return "turned off by KTINJECT_INT4_CUDA=0"
+    if torch.version.hip:
+        return "not on ROCm (the kernels hold NVIDIA PTX)"
+    return None
+
+
 def available(device=None) -> bool:
-    """True when the CUDA GEMV compiles and gives the right answer on this GPU (checked once per device)."""
-    if not torch.cuda.is_available() or _compile_api() is None:
+    """True when the CUDA GEMVs compile and give the right answer on this GPU (checked once per device)."""
+    if not torch.cuda.is_available() or _compile_api() is None or _disabled():
         return False
     dev = torch.device(device if device is not None else "cuda")
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     known = _STATE.get(idx, _STATE)              # (per call on the decode path: no lock once known)
     if known is not _STATE:
         return known is None
+    if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
+        return False                             # the self-test synchronizes: not now, and not cached
     with _LOCK:
         if idx not in _STATE:
             _STATE[idx] = _self_test(idx)
@@ -418,6 +429,8 @@ def unavailable_reason(device=None) -> str | None:
         return "no CUDA device"
     if _compile_api() is None:
         return "torch.cuda._compile_kernel (NVRTC) is missing from this torch"
+    if _disabled():
+        return _disabled()
     available(device)
     dev = torch.device(device if device is not None else "cuda")
     return _STATE.get(dev.index if dev.index is not None else torch.cuda.current_device())
@@ -446,48 +459,87 @@ def _self_test(idx: int) -> str | None:
                     return f"self-test mismatch ({'mma' if rows > 1 else 'one-row'} kernel, relative error {err:.3g})"
         return None
     except Exception as exc:                                          # noqa: BLE001 - reported by doctor
-        msg = str(exc).strip().splitlines()
-        return f"{type(exc).__name__}: {msg[-1][:200] if msg else ''}"
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        first_error = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+        return f"{type(exc).__name__}: {first_error[:200]}"
 
 
-def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp: int = 2, warps: int = 4,
-         step_batch: int = 2) -> torch.Tensor:
-    """y = x @ W.T (+ bias) for one row x: [1, K] bf16/fp16 and `w` an `int4_pack.Int4Tiled`; [1, N] in x.dtype."""
-    from .int4_triton import tiled_groups
-    m, k = x.shape
-    n, kw = w.qweight.shape
-    if m != 1:
-        raise ValueError(f"the CUDA int4 GEMV takes one row, got {m}")
+def _checked(x: torch.Tensor, w, bias: torch.Tensor | None):
+    """The checks both kernels need (they read raw pointers): x and bias in x's dtype, contiguous, on the
+    weight's GPU; the weight tensors contiguous, 16-byte aligned words. Returns (x, bias, device index)."""
+    k = x.shape[1]
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the CUDA int4 GEMV takes bf16/fp16 activations, got {x.dtype}")
     if k != w.in_features:
         raise ValueError(f"x has {k} columns, the weight {w.in_features}")
     if not (w.qweight.is_contiguous() and w.scales.is_contiguous() and w.mins.is_contiguous()):
         raise ValueError("the int4 weight tensors must be contiguous")
-    nsub, g_shift = tiled_groups(w)
-    if w.pack % 4 or kw % 4:
-        raise ValueError(f"pack {w.pack} must be a multiple of 4")
+    if w.qweight.data_ptr() % 16 or w.pack % 4:
+        raise ValueError(f"the int4 words must be 16-byte aligned with pack a multiple of 4 (pack {w.pack})")
+    if not (x.is_cuda and x.device == w.qweight.device == w.scales.device == w.mins.device):
+        raise ValueError(f"x ({x.device}) and the int4 weight ({w.qweight.device}) must be on one CUDA device")
     x = x.contiguous()
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
+    if bias is not None:
+        if bias.device != x.device or bias.shape != (w.qweight.shape[0],):
+            raise ValueError(f"bias must be [{w.qweight.shape[0]}] on {x.device}, got {tuple(bias.shape)} on "
+                             f"{bias.device}")
+        bias = bias.to(x.dtype).contiguous()
+    return x, bias, x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+def smem_limit(idx: int) -> int:
+    """Shared memory one block may use on GPU `idx` (opt-in maximum; 48 KiB where torch cannot raise it)."""
+    from torch.cuda._utils import _CudaKernel
+    if not hasattr(_CudaKernel, "set_shared_memory_config"):
+        return 48 * 1024
+    return int(getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", 48 * 1024))
+
+
+def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list) -> None:
+    """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph)."""
+    kern = _binary(shape, idx)
+    with torch.cuda.device(idx):
+        if smem >= 48 * 1024 and smem > getattr(kern, "_max_shared_mem_bytes", 0):
+            kern.set_shared_memory_config(smem)   # once per binary and size (the warm-up's call, not a capture's)
+        kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem,
+             stream=torch.cuda.current_stream(idx))
+
+
+def cuda_fits(w, m: int, device_index: int) -> str | None:
+    """Why the one-row kernel cannot run `m` rows on `w` on GPU `device_index` (None when it can)."""
+    from .int4_triton import tiled_groups
+    if m != 1:
+        return f"it takes one row, got {m}"
+    if shared_bytes(int(w.qweight.shape[1]), tiled_groups(w)[0]) > smem_limit(device_index):
+        return f"{w.in_features} inputs do not fit in shared memory"
+    return None
+
+
+def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp: int = 2, warps: int = 4,
+         step_batch: int = 2) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for one row x: [1, K] bf16/fp16 and `w` an `int4_pack.Int4Tiled`; [1, N] in x.dtype."""
+    from .int4_triton import tiled_groups
+    m = x.shape[0]
+    n, kw = w.qweight.shape
+    if rows_per_warp < 1 or warps < 1:
+        raise ValueError(f"rows_per_warp and warps must be >= 1, got {rows_per_warp} and {warps}")
+    x, bias, idx = _checked(x, w, bias)
+    why = cuda_fits(w, m, idx)
+    if why:
+        raise ValueError(f"the one-row CUDA int4 GEMV cannot run here: {why}")
+    nsub, g_shift = tiled_groups(w)
+    k = x.shape[1]
     steps = -(-kw // STEP_WORDS)
     shape = CudaGemvShape(w.pack, nsub, rows_per_warp, warps, steps, max(1, min(step_batch, steps)),
                           x.dtype == torch.bfloat16, bias is not None)
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kern = _binary(shape, idx)
-    smem = shared_bytes(kw, nsub)
-    if smem >= 48 * 1024:
-        kern.set_shared_memory_config(smem)
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
-    rows_per_block = rows_per_warp * warps
-    kern(grid=(-(-n // rows_per_block), 1, 1), block=(warps * 32, 1, 1),
-         args=[x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-               n, k, kw, g_shift, int(w.scales.shape[0])], shared_mem=smem)
+    _launch(shape, idx, -(-n // (rows_per_warp * warps)), warps, shared_bytes(kw, nsub),
+            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+             n, k, kw, g_shift, int(w.scales.shape[0])])
     return out
 
 
 MMA_MAX_ROWS = 16
-_SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
 
 
 @dataclass(frozen=True)
@@ -505,8 +557,9 @@ def mma_shared_bytes(m: int, kw: int) -> int:
     return ((m + 1) * (kw * 4 + (kw // 8) * 4) + m * (kw // 16)) * 4
 
 
-def mma_fits(w, m: int) -> str | None:
-    """Why the tensor-core GEMV cannot take `m` rows on `w` (None when it can)."""
+def mma_fits(w, m: int, device_index: int | None = None) -> str | None:
+    """Why the tensor-core GEMV cannot take `m` rows on `w` (on GPU `device_index`: its shared memory) (None
+    when it can)."""
     from .int4_triton import tiled_groups
     if not 1 <= m <= MMA_MAX_ROWS:
         return f"it takes 1..{MMA_MAX_ROWS} rows, got {m}"
@@ -514,7 +567,7 @@ def mma_fits(w, m: int) -> str | None:
         return f"it needs pack 16 or 32, the weight has {w.pack}"
     if tiled_groups(w)[0] != 1:
         return f"it needs one scale group per tile (group size {w.group_size} < 8 x pack {w.pack})"
-    if mma_shared_bytes(m, int(w.qweight.shape[1])) > _SMEM_LIMIT:
+    if device_index is not None and mma_shared_bytes(m, int(w.qweight.shape[1])) > smem_limit(device_index):
         return f"{m} rows of {w.in_features} inputs do not fit in shared memory"
     return None
 
@@ -527,33 +580,22 @@ def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the CUDA int4 GEMV takes bf16/fp16 activations, got {x.dtype}")
-    if k != w.in_features:
-        raise ValueError(f"x has {k} columns, the weight {w.in_features}")
-    why = mma_fits(w, m)
+    if warps < 1:
+        raise ValueError(f"warps must be >= 1, got {warps}")
+    x, bias, idx = _checked(x, w, bias)
+    why = mma_fits(w, m, idx)
     if why:
         raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
     steps = kw // 16
     batch = max(1, min(batch, steps))
     while steps % batch:
         batch -= 1
     shape = MmaShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None, m > 8)
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kern = _binary(shape, idx)
-    smem = mma_shared_bytes(m, kw)
-    if smem >= 48 * 1024:
-        kern.set_shared_memory_config(smem)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     blocks = -(-(-(-n // 8)) // warps)
     if ctas_per_sm > 0:
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
-    kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1),
-         args=[x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-               n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)],
-         shared_mem=smem)
+    _launch(shape, idx, blocks, warps, mma_shared_bytes(m, kw),
+            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
     return out

@@ -29,7 +29,7 @@ and the slices meet through fp32 atomics in a zeroed buffer.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -727,13 +727,20 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
         return x.new_empty((0, n))
     cfg = cfg or tiled_config(m, n, k, w.group_size)
     if cfg.mode in ("cuda", "mma"):
-        usable = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and int4_cuda.available(x.device)
-        if usable and cfg.mode == "cuda" and m == 1:
-            return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps, warps=cfg.num_warps,
-                                  step_batch=cfg.chunk)
-        if usable and cfg.mode == "mma" and int4_cuda.mma_fits(w, m) is None:
-            return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
+        if cfg.mode == "cuda" and (cfg.block_n < cfg.num_warps or cfg.block_n % cfg.num_warps):
+            raise ValueError(f"mode 'cuda' needs block_n a multiple of num_warps, got {cfg.block_n} and "
+                             f"{cfg.num_warps}")
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        if x.is_cuda and half and int4_cuda.available(x.device):
+            idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            if cfg.mode == "cuda" and int4_cuda.cuda_fits(w, m, idx) is None:
+                return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
+                                      warps=cfg.num_warps, step_batch=cfg.chunk)
+            if cfg.mode == "mma" and int4_cuda.mma_fits(w, m, idx) is None:
+                return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
         cfg = class_config(m, n, k)                # no NVRTC here (doctor says why), or not this shape: Triton
+        if cfg.mode in ("dot", "dot_x") and not half and m <= 4:
+            cfg = replace(cfg, mode="fma")         # (tensor cores need half activations)
     if cfg.mode in ("dot", "dot_x") and (w.pack < 16 or x.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"mode {cfg.mode!r} needs pack >= 16 and bf16/fp16 activations")
     nsub, g_shift = tiled_groups(w)
@@ -784,11 +791,12 @@ def warm_up(w, rows: int, cfg: TiledConfig, with_bias: bool = False) -> None:
     if not (w.qweight.is_cuda and not torch.cuda.is_current_stream_capturing()):
         return
     counts = {rows, min(rows, 8)} if cfg.mode != "cuda" else {rows}
-    for dtype in (torch.bfloat16, torch.float16):
-        for m in sorted(counts):
-            x = torch.zeros(m, w.in_features, device=w.qweight.device, dtype=dtype)
-            bias = torch.zeros(w.qweight.shape[0], device=x.device, dtype=dtype) if with_bias else None
-            int4_gemv_tiled(x, w, bias, cfg)
+    with torch.cuda.device(w.qweight.device):      # (loading need not make the layer's GPU current)
+        for dtype in (torch.bfloat16, torch.float16):
+            for m in sorted(counts):
+                x = torch.zeros(m, w.in_features, device=w.qweight.device, dtype=dtype)
+                bias = torch.zeros(w.qweight.shape[0], device=x.device, dtype=dtype) if with_bias else None
+                int4_gemv_tiled(x, w, bias, cfg)
 
 
 def int4_dequantize_tiled(w, dtype: torch.dtype) -> torch.Tensor:
@@ -829,11 +837,16 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
 
 # Shape classes: (largest bf16 size of the weight in MB, {rows bucket: config}); the first that holds it.
 # Only Triton modes here: the CUDA modes (cuda, mma) fall back to these where NVRTC is missing.
+# One row, K <= 4096 and <= 70 MB: `rows` (it won every such shape measured on 2026-12-02); past that K it
+# was not measured, and with no K split a tall-K matrix gets few programs: the split-K `fma` stays there.
+ROWS_CLASS = TiledConfig("rows", block_n=8, num_warps=4, pack=16)
+ROWS_CLASS_MAX_K = 4096
+ROWS_CLASS_MAX_MB = 70.0
 CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
-    (24.0, {1: TiledConfig("rows", block_n=8, num_warps=4, pack=16),
+    (24.0, {1: TiledConfig("fma", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16),
             4: TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16),
             16: TiledConfig("dot_x", block_n=64, num_warps=4, num_stages=1, target_programs=1056, pack=16)}),
-    (70.0, {1: TiledConfig("rows", block_n=8, num_warps=4, pack=16),
+    (70.0, {1: TiledConfig("fma", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16),
             4: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16),
             16: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=1056, pack=16)}),
     (float("inf"), {1: TiledConfig("fma", block_n=256, num_warps=4, num_stages=1, target_programs=1056, pack=16),
@@ -866,8 +879,10 @@ def shape_class(n: int, k: int) -> float:
 
 
 def class_config(m: int, n: int, k: int) -> TiledConfig:
-    """The Triton config of the shape class of [N, K] for `m` rows."""
+    """The Triton config of the shape class of [N, K] for `m` rows (`rows` for one row where it measured best)."""
     limit = shape_class(n, k)
+    if rows_bucket(m) == 1 and limit <= ROWS_CLASS_MAX_MB and k <= ROWS_CLASS_MAX_K:
+        return ROWS_CLASS
     return next(c for lim, c in CLASS_CONFIGS if lim == limit)[rows_bucket(m)]
 
 
