@@ -390,6 +390,7 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
     cfgs = [T.TiledConfig("cuda", block_n=8, num_warps=4, chunk=2), T.TiledConfig("mma", block_n=32, num_warps=4,
                                                                                   chunk=2, ctas=4)]
     want = [T.int4_gemv_tiled(x, t, None, cfg) for t, x, cfg in zip(tws, xs, cfgs)]
+    assert all(T.cuda_mode_runs(cfg, t, 1, "cuda", torch.bfloat16) for t, cfg in zip(tws, cfgs))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = [T.int4_gemv_tiled(x, t, None, cfg) for t, x, cfg in zip(tws, xs, cfgs)]
@@ -400,6 +401,30 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
     for o, w_ in zip(outs, want):
         assert torch.allclose(o.float(), 2 * w_.float(), rtol=2e-2, atol=2e-2)
     assert int4_cuda.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,rows,mode", [((4096, 2048), 1, "cuda"), ((102400, 2048), 1, "mma"),
+                                            ((102400, 2048), 4, "mma")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_linear_int4_cuda_modes_load_and_capture(shape, rows, mode, dtype):
+    """A layer whose tuned config is a CUDA mode compiles at load (with its bias, both dtypes): a CUDA-graph
+    capture of its forward then compiles nothing, and replays equal the eager result."""
+    torch.manual_seed(0)
+    n, k = shape
+    mod = Int4Linear.from_weight(torch.randn(n, k, device="cuda") * 0.02, torch.randn(n, device="cuda"),
+                                 Int4Options(backend="triton"), device="cuda", dtype=dtype)
+    assert f"gemv({mode})" in mod.extra_repr()
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    want = mod(x)
+    ref = torch.nn.functional.linear(x.float(), P.dequantize(mod.weight_int4), mod.bias.float())
+    assert sqnr(ref, want.float()) > 40
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

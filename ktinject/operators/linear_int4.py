@@ -294,17 +294,12 @@ class Int4Linear(Operator):
         path = self.path(rows)
         if path != "gemv" or not self.pack:
             return path
-        from .kernels import int4_cuda, int4_triton as T
+        from .kernels import int4_triton as T
         cfg = self._gemv_config(rows, torch.bfloat16)
         mode = cfg.mode
-        if mode in ("cuda", "mma"):
-            dev = self.qweight.device
-            ok = dev.type == "cuda" and int4_cuda.available(dev)
-            if ok:
-                idx = dev.index if dev.index is not None else torch.cuda.current_device()
-                fits = int4_cuda.cuda_fits if mode == "cuda" else int4_cuda.mma_fits
-                ok = fits(self.weight_tiled, rows, idx) is None
-            mode = mode if ok else T.class_config(rows, self.out_features, self.in_features).mode
+        if mode in ("cuda", "mma") and not T.cuda_mode_runs(cfg, self.weight_tiled, rows, self.qweight.device,
+                                                           torch.bfloat16):
+            mode = T.class_config(rows, self.out_features, self.in_features).mode
         return f"gemv({mode})"
 
     def extra_repr(self) -> str:

@@ -32,6 +32,7 @@ runs its Triton kernels instead (`ktinject doctor` says which and why).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -361,7 +362,14 @@ class CudaGemvShape:
 
 
 _LOCK = threading.Lock()
-_STATE: dict = {}
+_STATE: dict = {}         # device index -> None (usable) or why not
+log = logging.getLogger("ktinject.int4_cuda")
+
+
+def device_index(device) -> int:
+    """The index of a CUDA device (the current one for a bare "cuda")."""
+    dev = torch.device(device if device is not None else "cuda")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
 def _compile_api():
@@ -408,32 +416,32 @@ def _disabled() -> str | None:
 
 def available(device=None) -> bool:
     """True when the CUDA GEMVs compile and give the right answer on this GPU (checked once per device)."""
-    if not torch.cuda.is_available() or _compile_api() is None or _disabled():
-        return False
-    dev = torch.device(device if device is not None else "cuda")
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    known = _STATE.get(idx, _STATE)              # (per call on the decode path: no lock once known)
-    if known is not _STATE:
-        return known is None
-    if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
-        return False                             # the self-test synchronizes: not now, and not cached
-    with _LOCK:
-        if idx not in _STATE:
-            _STATE[idx] = _self_test(idx)
-        return _STATE[idx] is None
+    return unavailable_reason(device) is None
 
 
 def unavailable_reason(device=None) -> str | None:
-    """Why `available()` is False (None when it is True)."""
+    """Why the CUDA GEMVs cannot run on `device` (None when they can). Decided once per device (the
+    self-test), except while a CUDA graph is captured or sync-debug mode is on: the self-test synchronizes,
+    so the answer then is "not yet" and nothing is cached. Runs on every decode call: a dict hit once known."""
     if not torch.cuda.is_available():
         return "no CUDA device"
+    idx = device_index(device)
+    known = _STATE.get(idx, _STATE)
+    if known is not _STATE:
+        return known
     if _compile_api() is None:
-        return "torch.cuda._compile_kernel (NVRTC) is missing from this torch"
-    if _disabled():
-        return _disabled()
-    available(device)
-    dev = torch.device(device if device is not None else "cuda")
-    return _STATE.get(dev.index if dev.index is not None else torch.cuda.current_device())
+        why = "torch.cuda._compile_kernel (NVRTC) is missing from this torch"
+    else:
+        why = _disabled()
+    if why is None and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0):
+        return "not checked yet (its self-test cannot run inside a CUDA-graph capture or in sync-debug mode)"
+    with _LOCK:
+        if idx not in _STATE:
+            _STATE[idx] = why if why is not None else _self_test(idx)
+            if _STATE[idx] is not None and why is None:
+                log.warning("cuda:%d: the int4 CUDA GEMVs are off (%s); linear_int4 runs its Triton kernels",
+                            idx, _STATE[idx])
+        return _STATE[idx]
 
 
 def _self_test(idx: int) -> str | None:
@@ -484,9 +492,10 @@ def _checked(x: torch.Tensor, w, bias: torch.Tensor | None):
             raise ValueError(f"bias must be [{w.qweight.shape[0]}] on {x.device}, got {tuple(bias.shape)} on "
                              f"{bias.device}")
         bias = bias.to(x.dtype).contiguous()
-    return x, bias, x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return x, bias, device_index(x.device)
 
 
+@functools.lru_cache(maxsize=None)
 def smem_limit(idx: int) -> int:
     """Shared memory one block may use on GPU `idx` (opt-in maximum; 48 KiB where torch cannot raise it)."""
     from torch.cuda._utils import _CudaKernel

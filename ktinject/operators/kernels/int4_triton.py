@@ -643,9 +643,9 @@ def plan_tiled(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[tuple[in
     if cfg.mode == "mma":
         return (-(-n // (8 * cfg.num_warps)), 1), n_tiles, _next_pow2(m)
     if cfg.mode == "cuda":
-        if m != 1 or cfg.block_n % cfg.num_warps:
-            raise ValueError(f"mode 'cuda' takes one row and block_n a multiple of num_warps, got {m} rows, "
-                             f"block_n {cfg.block_n}, {cfg.num_warps} warps")
+        _check_cuda_config(cfg)
+        if m != 1:
+            raise ValueError(f"mode 'cuda' takes one row, got {m}")
         return (-(-n // cfg.block_n), 1), n_tiles, 1
     if cfg.mode.startswith("fma") or cfg.mode == "rows":
         block_m = _next_pow2(m)
@@ -727,19 +727,15 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
         return x.new_empty((0, n))
     cfg = cfg or tiled_config(m, n, k, w.group_size)
     if cfg.mode in ("cuda", "mma"):
-        if cfg.mode == "cuda" and (cfg.block_n < cfg.num_warps or cfg.block_n % cfg.num_warps):
-            raise ValueError(f"mode 'cuda' needs block_n a multiple of num_warps, got {cfg.block_n} and "
-                             f"{cfg.num_warps}")
-        half = x.dtype in (torch.bfloat16, torch.float16)
-        if x.is_cuda and half and int4_cuda.available(x.device):
-            idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-            if cfg.mode == "cuda" and int4_cuda.cuda_fits(w, m, idx) is None:
+        if cfg.mode == "cuda":
+            _check_cuda_config(cfg)
+        if cuda_mode_runs(cfg, w, m, x.device, x.dtype):
+            if cfg.mode == "cuda":
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
-            if cfg.mode == "mma" and int4_cuda.mma_fits(w, m, idx) is None:
-                return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
+            return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
         cfg = class_config(m, n, k)                # no NVRTC here (doctor says why), or not this shape: Triton
-        if cfg.mode in ("dot", "dot_x") and not half and m <= 4:
+        if cfg.mode in ("dot", "dot_x") and x.dtype not in (torch.bfloat16, torch.float16) and m <= 4:
             cfg = replace(cfg, mode="fma")         # (tensor cores need half activations)
     if cfg.mode in ("dot", "dot_x") and (w.pack < 16 or x.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"mode {cfg.mode!r} needs pack >= 16 and bf16/fp16 activations")
@@ -748,8 +744,7 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     if x.stride(-1) != 1:
         x = x.contiguous()
     if cfg.mode == "rows":                         # one kernel, no K split, no workspace
-        if triton is None:
-            raise RuntimeError("the int4 GEMV needs triton")
+        _tiled_kernels()                           # (says so when triton is missing)
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
         _k_gemv_rows[grid](x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
                            m, n, k, w.qweight.shape[1], g_shift, w.scales.shape[0], w.n_tiles, x.stride(0),
@@ -781,6 +776,21 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
                RED_UNROLL=max(1, min(16, 32 // max(1, per_thread))),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _check_cuda_config(cfg: TiledConfig) -> None:
+    if cfg.block_n < cfg.num_warps or cfg.block_n % cfg.num_warps:
+        raise ValueError(f"mode 'cuda' needs block_n a multiple of num_warps, got {cfg.block_n} and {cfg.num_warps}")
+
+
+def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> bool:
+    """Whether a cuda/mma config runs its CUDA kernel for `m` rows of `dtype` on `device` (else the shape
+    class's Triton config runs): NVRTC usable there, half activations, and the shape fits the GPU."""
+    if cfg.mode not in ("cuda", "mma") or torch.device(device).type != "cuda" or \
+            dtype not in (torch.bfloat16, torch.float16) or not int4_cuda.available(device):
+        return False
+    fits = int4_cuda.cuda_fits if cfg.mode == "cuda" else int4_cuda.mma_fits
+    return fits(w, m, int4_cuda.device_index(device)) is None
 
 
 def warm_up(w, rows: int, cfg: TiledConfig, with_bias: bool = False) -> None:
