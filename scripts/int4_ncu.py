@@ -21,7 +21,10 @@ runs = {"fma r4 w8 b2": lambda t: int4_cuda.gemv(x, t, None, rows_per_warp=4, wa
         "mma w4 b4": lambda t: int4_cuda.gemv_mma(x, t, None, warps=4, batch=4),
         "mma w4 b2 ctas8": lambda t: int4_cuda.gemv_mma(x, t, None, warps=4, batch=2, ctas_per_sm=8),
         "mma w8 b8": lambda t: int4_cuda.gemv_mma(x, t, None, warps=8, batch=8),
-        "mma w2 b2": lambda t: int4_cuda.gemv_mma(x, t, None, warps=2, batch=2)}
+        "mma w2 b2": lambda t: int4_cuda.gemv_mma(x, t, None, warps=2, batch=2),
+        "diag w8 b2 ctas4": lambda t: int4_cuda.gemv_diag(x, t, None, warps=8, batch=2, ctas_per_sm=4),
+        "diag w4 b2 ctas4": lambda t: int4_cuda.gemv_diag(x, t, None, warps=4, batch=2, ctas_per_sm=4),
+        "diag w4 b4": lambda t: int4_cuda.gemv_diag(x, t, None, warps=4, batch=4)}
 if m > 1:
     del runs["fma r4 w8 b2"]
 if os.environ.get("NCU"):

@@ -58,7 +58,10 @@ def grid_for(m: int, quick: bool):
             c("cuda", 16, 32, 8, chunk=2), c("cuda", 16, 4, 4, chunk=2), c("cuda", 16, 8, 8, chunk=1),
             c("cuda", 16, 32, 4, chunk=2), c("cuda", 16, 16, 4, chunk=4), c("cuda", 32, 8, 4, chunk=2),
             c("cuda", 32, 4, 4, chunk=4)]
-    rows = mma + cuda + rows if m == 1 else mma[:4] + rows[:3] if m <= 4 else mma[:4]
+    diag = [c("diag", 16, 32, 4, chunk=2, ctas=4), c("diag", 16, 64, 8, chunk=2, ctas=4), c("diag", 16, 32, 4, chunk=4),
+            c("diag", 16, 64, 8, chunk=2), c("diag", 16, 32, 4, chunk=2, ctas=8), c("diag", 16, 128, 8, chunk=4, ctas=2)]
+    mma = diag + mma
+    rows = mma + cuda + rows if m == 1 else mma[:8] + rows[:3] if m <= 4 else mma[:8]
     if m == 1:
         g = rows + [c("fma", 16, 256, 4), c("fma", 16, 128, 4), c("fma", 16, 64, 4), c("fma", 32, 128, 4),
              c("fma", 16, 512, 8), c("fma", 32, 256, 8), c("fma", 16, 256, 4, prefetch=True),
@@ -95,7 +98,7 @@ def cfg_short(cfg) -> str:
         s += "/pf"
     if cfg.reduce != "serial":
         s += f"/{cfg.reduce}"
-    if cfg.mode in ("rows", "cuda", "mma"):
+    if cfg.mode in ("rows", "cuda", "mma", "diag"):
         s += f"/ct{cfg.chunk}"
     if cfg.ctas:
         s += f"/ctas{cfg.ctas}"
@@ -321,7 +324,7 @@ def main(argv=None) -> int:
             cands = grid_for(m, args.quick)[:2 if selftest else None]
             cands = [as_cand(T.tiled_config(m, n, k, group_of(k, group)))] + cands
             for c in cands:
-                if pack_ok(k, group, c[1]) and c[0] not in ("cuda", "mma"):   # (NVRTC binaries live per process)
+                if pack_ok(k, group, c[1]) and c[0] not in ("cuda", "mma", "diag"):   # (NVRTC: per process)
                     mm = m if c[0].startswith("fma") or c[0] == "rows" else 16
                     tasks.append((k, group, c[1], mm, c))
     by_kernel = {}                                 # one task per compiled variant (same constexprs -> same binary)
@@ -392,7 +395,7 @@ def main(argv=None) -> int:
                 row["tinygemm"] = f"rejects ({tg_err})"
             default = T.tiled_config(m, n, k, g)
             cands = [as_cand(default)] + grid_for(m, args.quick)[:2 if selftest else None]
-            cands = [c for c in dict.fromkeys(cands) if pack_ok(k, group, c[1]) and (c[0] not in ("cuda", "mma") or cuda_ok)]
+            cands = [c for c in dict.fromkeys(cands) if pack_ok(k, group, c[1]) and (c[0] not in ("cuda", "mma", "diag") or cuda_ok)]
             timings, skipped = [], 0
             for ci, c in enumerate(cands):
                 if time.time() - shape_t0 > share and ci > 0:

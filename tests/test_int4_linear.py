@@ -382,6 +382,29 @@ def test_gpu_mma_gemv_matches_reference(n, k, group, pack, rows, warps, batch, c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,pack,rows,warps,batch,ctas", [
+    (2048, 2048, 128, 16, 1, 4, 2, 0), (1000, 1088, 128, 16, 3, 4, 1, 0), (2048, 10944, 256, 32, 1, 4, 4, 2),
+    (1024, 2048, 256, 32, 16, 8, 2, 0), (1536, 2048, -1, 16, 9, 4, 1, 1), (777, 392, 128, 16, 8, 2, 2, 0),
+    (102400, 2048, 128, 16, 1, 8, 2, 4), (300, 20480, 128, 16, 2, 4, 8, 0), (500, 2048, 128, 16, 5, 4, 2, 0)])
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
+def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, ctas, dtype, bias):
+    """The super-step tensor-core kernel (ktk_int4_diag): rows 1..16 (super-steps of 16 down to 1 step), a
+    partial last super-step (9 and 86 steps), K padding, per channel, pack 16/32, persistent grids."""
+    from ktinject.operators.kernels import int4_cuda
+    assert int4_cuda.available(), int4_cuda.unavailable_reason()
+    torch.manual_seed(0)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group)
+    tw = P.tile(iw, pack)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    ref = x.float() @ P.dequantize(iw).T + (b.float() if bias else 0)
+    y = int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert sqnr(ref, y.float()) > 40
+    assert torch.equal(y, int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas))
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_gemv_in_a_cuda_graph():
     from ktinject.operators.kernels import int4_cuda, int4_triton as T
     torch.manual_seed(0)

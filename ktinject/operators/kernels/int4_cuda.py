@@ -345,6 +345,181 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
 }
 """
 
+_DIAG_SOURCE = _PRELUDE + r"""
+#define NB (NSTEP / V)
+#define GS (16 / MR)                                 // steps per super-step: A row r = m * GS + j
+#if XBF16
+#define MAGIC 0x43004300u
+#define MAGIC_V 128.f
+#else
+#define MAGIC 0x64006400u
+#define MAGIC_V 1024.f
+#endif
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if XBF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// As ktk_int4_mma, but the 16 rows of the mma's A are (x row m, step j of a super-step of GS = 16 / MR
+// steps): A row m * GS + j holds x row m on the mma of step j and zeros on the others, so D row
+// m * GS + j collects step j's sum for x row m and the 8 rows of the tile, across the whole super-step,
+// with no reset. The scale of each step is applied once per super-step, by the lane that holds that D row:
+// per 16 steps, not per step, and by all lanes, not 4 of 32. At the end the lanes of one x row add up.
+extern "C" __global__ void __launch_bounds__(NT)
+ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
+              const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
+              int N, int K, int KW, int g_shift, int NG, int M, int stride_xm, int stride_om)
+{
+    extern __shared__ u32 smem[];
+    const int KWP = KW * 4 + (KW / 8) * 4;           // padded row of x pairs (as ktk_int4_mma)
+    u32* xp = smem;                                  // [M][KWP] x pairs, then 64 + 8 zero words
+    u32* zero = smem + M * KWP;
+    float* xsum = (float*)(zero + 72);               // [M][NSTEP]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int KQ = KW / 4;
+    const int n_tiles = (N + 7) / 8;
+    int nt = blockIdx.x * WARPS + warp;
+    const int nt_step = gridDim.x * WARPS;
+
+    uint4 wcur[V];
+    {
+        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
+#pragma unroll
+        for (int v = 0; v < V; v++) wcur[v] = nt < n_tiles ? ld_stream(wp + 4 * v) : make_uint4(0, 0, 0, 0);
+    }
+    for (int i = tid; i < 72; i += NT) zero[i] = 0u;
+    for (int m = 0; m < M; m++) {
+        const u16* xm = x + (size_t)m * stride_xm;
+        for (int wc = tid; wc < KW; wc += NT) {
+            const int k0 = (wc / P) * 8 * P + (wc % P);
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                const int ka = k0 + a * P, kb = ka + 4 * P;
+                const u32 v0 = ka < K ? xm[ka] : 0u, v1 = kb < K ? xm[kb] : 0u;
+                xp[m * KWP + wc * 4 + (wc >> 3) * 4 + a] = v0 | (v1 << 16);
+            }
+        }
+    }
+    for (int i = warp; i < M * NSTEP; i += WARPS) {
+        const int m = i / NSTEP, st = i - m * NSTEP;
+        const int wc = st * 16 + (lane & 15), a = (lane >> 4) * 2;
+        const int t = wc / P, j = wc % P;
+        const u16* xm = x + (size_t)m * stride_xm;
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int k = t * 8 * P + (a + (e & 1) + (e >> 1) * 4) * P + j;
+            acc += k < K ? to_f32(xm[k]) : 0.f;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) xsum[i] = acc;
+    }
+    __syncthreads();
+
+    // this lane's two A rows: r0 = g (x row mA, step jA of each super-step), r1 = g + 8 (mB, jB)
+    const int mA = g / GS, jA = g % GS, mB = (g + 8) / GS, jB = (g + 8) % GS;
+    const int lo = 16 * c + 4 * (c >> 1);
+    const u32* xrowA = xp + min(mA, M - 1) * KWP + lo;
+    const u32* xrowB = xp + min(mB, M - 1) * KWP + lo;
+    const u32* zrow = zero + lo;                     // zeros for every word of a step (lo + 15 < 72)
+    while (nt < n_tiles) {
+        const int nt_next = nt + nt_step;
+        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
+        const uint4* wpn = qw + (size_t)min(nt_next * 8 + g, N - 1) * KQ + c;
+        const int n0 = nt * 8 + 2 * c;
+        const u16* sc0 = sc + min(n0, N - 1);
+        const u16* sc1 = sc + min(n0 + 1, N - 1);
+        const u16* mn0 = mn + min(n0, N - 1);
+        const u16* mn1 = mn + min(n0 + 1, N - 1);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};         // rows r0 (n0, n0 + 1), r1 (n0, n0 + 1)
+        float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll UNROLL_B
+        for (int b = 0; b < NB; b++) {
+            uint4 wnext[V];
+#pragma unroll
+            for (int v = 0; v < V; v++) {
+                if (b + 1 < NB) wnext[v] = ld_stream(wp + 4 * ((b + 1) * V + v));
+                else wnext[v] = nt_next < n_tiles ? ld_stream(wpn + 4 * v) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int v = 0; v < V; v++) {
+                const int st = b * V + v, j = st % GS;
+                const int so = st * 72;                      // (st * 16) * 4 + st * 8: the step's x pairs
+                const u32* pa = (j == jA && mA < M) ? xrowA + so : zrow;
+                const u32* pb = (j == jB && mB < M) ? xrowB + so : zrow;
+                const u32 wv[4] = {wcur[v].x, wcur[v].y, wcur[v].z, wcur[v].w};
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const u32 w = wv[u];
+                    const u32 q0 = (w & 0x000F000Fu) | MAGIC, q1 = ((w >> 4) & 0x000F000Fu) | MAGIC;
+                    const u32 q2 = ((w >> 8) & 0x000F000Fu) | MAGIC, q3 = ((w >> 12) & 0x000F000Fu) | MAGIC;
+                    const uint4 xa = *(const uint4*)(pa + u * 4);
+                    const uint4 xb = *(const uint4*)(pb + u * 4);
+                    mma((u & 1) ? e : d, xa.x, xb.x, xa.y, xb.y, q0, q1);
+                    mma((u & 1) ? e : d, xa.z, xb.z, xa.w, xb.w, q2, q3);
+                }
+                if (j == GS - 1 || st == NSTEP - 1) {        // super-step done: each lane corrects its rows
+                    const int s0 = st - j;                   // first step of this super-step
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int mm = h ? mB : mA, jj = h ? jB : jA, sst = s0 + jj;
+                        if (mm < M && sst < NSTEP) {
+                            const float X = xsum[mm * NSTEP + sst];
+                            const size_t go = (size_t)min(((sst * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
+                            const float S0 = h2f(__ldg(sc0 + go)), S1 = h2f(__ldg(sc1 + go));
+                            const float M0 = h2f(__ldg(mn0 + go)), M1 = h2f(__ldg(mn1 + go));
+                            acc[2 * h] += S0 * (d[2 * h] + e[2 * h] - MAGIC_V * X) + M0 * X;
+                            acc[2 * h + 1] += S1 * (d[2 * h + 1] + e[2 * h + 1] - MAGIC_V * X) + M1 * X;
+                        }
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; i++) { d[i] = 0.f; e[i] = 0.f; }
+                }
+            }
+#pragma unroll
+            for (int v = 0; v < V; v++) wcur[v] = wnext[v];
+        }
+        // add up the lanes of one x row: those with the same m (g differs in its step bits)
+#if GS == 16
+        acc[0] += acc[2];
+        acc[1] += acc[3];
+#endif
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+#pragma unroll
+            for (int off = 4; off < 4 * (GS < 8 ? GS : 8); off <<= 1)
+                acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int mm = h ? mB : mA, jj = h ? jB : jA;
+            if (jj == 0 && mm < M && !(GS == 16 && h == 1)) {
+#pragma unroll
+                for (int t2 = 0; t2 < 2; t2++) {
+                    const int n = n0 + t2;
+                    if (n < N) {
+                        float y = acc[2 * h + t2];
+#if HAS_BIAS
+                        y += to_f32(bias[n]);
+#endif
+                        out[(size_t)mm * stride_om + n] = from_f32(y);
+                    }
+                }
+            }
+        }
+        nt = nt_next;
+    }
+}
+"""
+
 STEP_WORDS = 128          # words one warp load covers per row (32 lanes x 16 bytes)
 
 
@@ -382,14 +557,20 @@ def _binary(shape, device_index: int):
     api = _compile_api()
     if api is None:
         raise RuntimeError("this torch has no torch.cuda._compile_kernel (NVRTC); the CUDA int4 GEMV needs torch >= 2.8")
-    name = "ktk_int4_mma" if isinstance(shape, MmaShape) else "ktk_int4_gemv"
+    name = ("ktk_int4_diag" if isinstance(shape, DiagShape) else "ktk_int4_mma" if isinstance(shape, MmaShape)
+            else "ktk_int4_gemv")
     with torch.cuda.device(device_index):
         return api(source(shape), name, nvcc_options=["--std=c++17"])
 
 
 def source(shape) -> str:
     """The CUDA source of one binary (`CudaGemvShape` or `MmaShape`): its constants, then the kernel."""
-    if isinstance(shape, MmaShape):
+    if isinstance(shape, DiagShape):
+        consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
+                  "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
+                  "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr}
+        body = _DIAG_SOURCE
+    elif isinstance(shape, MmaShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "UNROLL_B": min(shape.steps // shape.batch, 8), "M16": int(shape.rows16)}
@@ -607,4 +788,53 @@ def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int
     _launch(shape, idx, blocks, warps, mma_shared_bytes(m, kw),
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
              n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
+    return out
+
+
+def diag_shared_bytes(m: int, kw: int) -> int:
+    return (m * (kw * 4 + (kw // 8) * 4) + 72 + m * (kw // 16)) * 4
+
+
+@dataclass(frozen=True)
+class DiagShape:
+    pack: int
+    steps: int
+    batch: int
+    warps: int
+    bf16: bool
+    bias: bool
+    mr: int               # rows of x rounded up to 1, 2, 4, 8 or 16
+
+
+def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int = 4, batch: int = 2,
+              ctas_per_sm: int = 0) -> torch.Tensor:
+    """As `gemv_mma`, with the scale corrections once per super-step of 16 / rows steps (ktk_int4_diag)."""
+    from .int4_triton import tiled_groups
+    m, k = x.shape
+    n, kw = w.qweight.shape
+    why = mma_fits(w, m)
+    if why or x.dtype not in (torch.bfloat16, torch.float16) or k != w.in_features:
+        raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why or 'bf16/fp16 x of in_features columns'}")
+    x = x.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    steps = kw // 16
+    batch = max(1, min(batch, steps))
+    while steps % batch:
+        batch -= 1
+    mr = 1 << max(m - 1, 0).bit_length()
+    shape = DiagShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None, mr)
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kern = _binary(shape, idx)
+    smem = diag_shared_bytes(m, kw)
+    if smem >= 48 * 1024:
+        kern.set_shared_memory_config(smem)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    blocks = -(-(-(-n // 8)) // warps)
+    if ctas_per_sm > 0:
+        blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
+    kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1),
+         args=[x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+               n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)],
+         shared_mem=smem)
     return out

@@ -278,7 +278,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 # writes the output and resets the counter: one launch, no zero-fill, deterministic. ("atomic"
 # reduce: fp32 atomics into a zeroed buffer, then a cast: three launches.)
 
-TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3, "rows": 4, "cuda": 5, "mma": 6}
+TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3, "rows": 4, "cuda": 5, "mma": 6, "diag": 7}
 _PER_CHANNEL_SHIFT = 30
 
 
@@ -640,7 +640,7 @@ def plan_tiled(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[tuple[in
     """(grid, tiles per K slice, BLOCK_M) of one call."""
     if cfg.mode not in TILED_MODES:
         raise ValueError(f"mode must be one of {', '.join(TILED_MODES)}, got {cfg.mode!r}")
-    if cfg.mode == "mma":
+    if cfg.mode in ("mma", "diag"):
         return (-(-n // (8 * cfg.num_warps)), 1), n_tiles, _next_pow2(m)
     if cfg.mode == "cuda":
         _check_cuda_config(cfg)
@@ -726,14 +726,15 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     if m == 0:
         return x.new_empty((0, n))
     cfg = cfg or tiled_config(m, n, k, w.group_size)
-    if cfg.mode in ("cuda", "mma"):
+    if cfg.mode in ("cuda", "mma", "diag"):
         if cfg.mode == "cuda":
             _check_cuda_config(cfg)
         if cuda_mode_runs(cfg, w, m, x.device, x.dtype):
             if cfg.mode == "cuda":
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
-            return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
+            run = int4_cuda.gemv_mma if cfg.mode == "mma" else int4_cuda.gemv_diag
+            return run(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
         cfg = class_config(m, n, k)                # no NVRTC here (doctor says why), or not this shape: Triton
         if cfg.mode in ("dot", "dot_x") and x.dtype not in (torch.bfloat16, torch.float16) and m <= 4:
             cfg = replace(cfg, mode="fma")         # (tensor cores need half activations)
@@ -786,7 +787,7 @@ def _check_cuda_config(cfg: TiledConfig) -> None:
 def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> bool:
     """Whether a cuda/mma config runs its CUDA kernel for `m` rows of `dtype` on `device` (else the shape
     class's Triton config runs): NVRTC usable there, half activations, and the shape fits the GPU."""
-    if cfg.mode not in ("cuda", "mma") or torch.device(device).type != "cuda" or \
+    if cfg.mode not in ("cuda", "mma", "diag") or torch.device(device).type != "cuda" or \
             dtype not in (torch.bfloat16, torch.float16) or not int4_cuda.available(device):
         return False
     fits = int4_cuda.cuda_fits if cfg.mode == "cuda" else int4_cuda.mma_fits
