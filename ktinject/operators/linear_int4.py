@@ -297,8 +297,8 @@ class Int4Linear(Operator):
         from .kernels import int4_triton as T
         cfg = self._gemv_config(rows, torch.bfloat16)
         mode = cfg.mode
-        if mode in ("cuda", "mma") and not T.cuda_mode_runs(cfg, self.weight_tiled, rows, self.qweight.device,
-                                                           torch.bfloat16):
+        if mode in ("cuda", "mma", "diag") and not T.cuda_mode_runs(cfg, self.weight_tiled, rows,
+                                                                   self.qweight.device, torch.bfloat16):
             mode = T.class_config(rows, self.out_features, self.in_features).mode
         return f"gemv({mode})"
 
