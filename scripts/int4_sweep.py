@@ -59,7 +59,8 @@ def grid_for(m: int, quick: bool):
             c("cuda", 16, 32, 4, chunk=2), c("cuda", 16, 16, 4, chunk=4), c("cuda", 32, 8, 4, chunk=2),
             c("cuda", 32, 4, 4, chunk=4)]
     diag = [c("diag", 16, 32, 4, chunk=2, ctas=4), c("diag", 16, 64, 8, chunk=2, ctas=4), c("diag", 16, 32, 4, chunk=4),
-            c("diag", 16, 64, 8, chunk=2), c("diag", 16, 32, 4, chunk=2, ctas=8), c("diag", 16, 128, 8, chunk=4, ctas=2)]
+            c("diag", 16, 64, 8, chunk=2), c("diag", 16, 32, 4, chunk=2, ctas=8), c("diag", 16, 128, 8, chunk=4, ctas=2),
+            c("diag", 16, 16, 2, chunk=2), c("diag", 16, 8, 1, chunk=4)]      # (small N: more blocks)
     mma = diag + mma
     rows = mma + cuda + rows if m == 1 else mma[:8] + rows[:3] if m <= 4 else mma[:8]
     if m == 1:
