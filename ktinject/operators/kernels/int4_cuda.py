@@ -812,29 +812,23 @@ def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: in
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
-    why = mma_fits(w, m)
-    if why or x.dtype not in (torch.bfloat16, torch.float16) or k != w.in_features:
-        raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why or 'bf16/fp16 x of in_features columns'}")
-    x = x.contiguous()
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
+    if warps < 1:
+        raise ValueError(f"warps must be >= 1, got {warps}")
+    x, bias, idx = _checked(x, w, bias)
+    why = mma_fits(w, m, idx) or (None if diag_shared_bytes(m, kw) <= smem_limit(idx) else "x does not fit")
+    if why:
+        raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
     steps = kw // 16
     batch = max(1, min(batch, steps))
     while steps % batch:
         batch -= 1
-    mr = 1 << max(m - 1, 0).bit_length()
-    shape = DiagShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None, mr)
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kern = _binary(shape, idx)
-    smem = diag_shared_bytes(m, kw)
-    if smem >= 48 * 1024:
-        kern.set_shared_memory_config(smem)
+    shape = DiagShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None,
+                      1 << max(m - 1, 0).bit_length())
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     blocks = -(-(-(-n // 8)) // warps)
     if ctas_per_sm > 0:
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
-    kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1),
-         args=[x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-               n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)],
-         shared_mem=smem)
+    _launch(shape, idx, blocks, warps, diag_shared_bytes(m, kw),
+            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
     return out
