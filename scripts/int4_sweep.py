@@ -61,6 +61,16 @@ def grid_for(m: int, quick: bool):
     diag = [c("diag", 16, 32, 4, chunk=2, ctas=4), c("diag", 16, 64, 8, chunk=2, ctas=4), c("diag", 16, 32, 4, chunk=4),
             c("diag", 16, 64, 8, chunk=2), c("diag", 16, 32, 4, chunk=2, ctas=8), c("diag", 16, 128, 8, chunk=4, ctas=2),
             c("diag", 16, 16, 2, chunk=2), c("diag", 16, 8, 1, chunk=4)]      # (small N: more blocks)
+    # warps a block x blocks an SM chosen so that a persistent grid's warps split the lm_head's 12800 tiles
+    # into nearly whole rounds (14 warps an SM: 6.9 tiles each; 20: 4.85), not 6.06 (16 an SM)
+    diag_balanced = [c("diag", 16, 56, 7, chunk=4, ctas=2), c("diag", 16, 80, 10, chunk=4, ctas=2),
+                     c("diag", 16, 40, 5, chunk=4, ctas=4), c("diag", 16, 56, 7, chunk=8, ctas=2),
+                     c("diag", 16, 48, 6, chunk=4, ctas=3), c("diag", 16, 56, 7, chunk=2, ctas=2),
+                     c("diag", 16, 64, 8, chunk=8, ctas=2), c("diag", 16, 112, 14, chunk=4, ctas=1),
+                     c("diag", 16, 56, 7, chunk=4, ctas=3), c("diag", 16, 88, 11, chunk=4, ctas=2),
+                     c("diag", 16, 56, 7, chunk=4), c("diag", 16, 56, 7, chunk=2), c("diag", 16, 88, 11, chunk=4),
+                     c("diag", 16, 48, 6, chunk=4), c("diag", 16, 40, 5, chunk=2)]   # (one round on smaller N)
+    diag = diag[:4] + diag_balanced + diag[4:] if os.environ.get("SWEEP_DIAG_WIDE") else diag
     skip = set(filter(None, os.environ.get("SWEEP_SKIP_MODES", "").split(",")))   # e.g. diag, after a failed test
     diag, mma, cuda, rows = ([x for x in lst if x[0] not in skip] for lst in (diag, mma, cuda, rows))
     rows = diag + mma + cuda + rows if m == 1 else diag[:4] + mma[:4] + rows[:3] if m <= 4 else diag[:4] + mma[:4]

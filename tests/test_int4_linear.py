@@ -385,7 +385,8 @@ def test_gpu_mma_gemv_matches_reference(n, k, group, pack, rows, warps, batch, c
 @pytest.mark.parametrize("n,k,group,pack,rows,warps,batch,ctas", [
     (2048, 2048, 128, 16, 1, 4, 2, 0), (1000, 1088, 128, 16, 3, 4, 1, 0), (2048, 10944, 256, 32, 1, 4, 4, 2),
     (1024, 2048, 256, 32, 16, 8, 2, 0), (1536, 2048, -1, 16, 9, 4, 1, 1), (777, 392, 128, 16, 8, 2, 2, 0),
-    (102400, 2048, 128, 16, 1, 8, 2, 4), (300, 20480, 128, 16, 2, 4, 8, 0), (500, 2048, 128, 16, 5, 4, 2, 0)])
+    (102400, 2048, 128, 16, 1, 8, 2, 4), (300, 20480, 128, 16, 2, 4, 8, 0), (500, 2048, 128, 16, 5, 4, 2, 0),
+    (5000, 2048, 128, 16, 1, 7, 4, 2), (6000, 2048, 128, 16, 2, 10, 4, 2)])
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
 def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, ctas, dtype, bias):
     """The super-step tensor-core kernel (ktk_int4_diag): rows 1..16 (super-steps of 16 down to 1 step), a
