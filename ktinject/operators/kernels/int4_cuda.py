@@ -455,14 +455,21 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                 const int so = st * 72;                      // (st * 16) * 4 + st * 8: the step's x pairs
                 const u32* pa = (j == jA && mA < M) ? xrowA + so : zrow;
                 const u32* pb = (j == jB && mB < M) ? xrowB + so : zrow;
+                // one x row (GS 16): A rows 0-7 are steps 0-7 and rows 8-15 steps 8-15, so on steps 0-7 every
+                // lane's second A row is zero and on steps 8-15 its first: no shared load for that half
+                const bool needA = GS < 16 || j < 8, needB = GS < 16 || j >= 8;
                 const u32 wv[4] = {wcur[v].x, wcur[v].y, wcur[v].z, wcur[v].w};
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
                     const u32 w = wv[u];
+#if NOMATH                                           // (probe: the loads and the loop alone)
+                    d[u & 3] += __int_as_float(w & 0x3FFFFFFFu);
+                    continue;
+#endif
                     const u32 q0 = (w & 0x000F000Fu) | MAGIC, q1 = ((w >> 4) & 0x000F000Fu) | MAGIC;
                     const u32 q2 = ((w >> 8) & 0x000F000Fu) | MAGIC, q3 = ((w >> 12) & 0x000F000Fu) | MAGIC;
-                    const uint4 xa = *(const uint4*)(pa + u * 4);
-                    const uint4 xb = *(const uint4*)(pb + u * 4);
+                    const uint4 xa = needA ? *(const uint4*)(pa + u * 4) : make_uint4(0u, 0u, 0u, 0u);
+                    const uint4 xb = needB ? *(const uint4*)(pb + u * 4) : make_uint4(0u, 0u, 0u, 0u);
                     mma((u & 1) ? e : d, xa.x, xb.x, xa.y, xb.y, q0, q1);
                     mma((u & 1) ? e : d, xa.z, xb.z, xa.w, xb.w, q2, q3);
                 }
@@ -568,7 +575,7 @@ def source(shape) -> str:
     if isinstance(shape, DiagShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr}
+                  "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath)}
         body = _DIAG_SOURCE
     elif isinstance(shape, MmaShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
@@ -804,6 +811,7 @@ class DiagShape:
     bf16: bool
     bias: bool
     mr: int               # rows of x rounded up to 1, 2, 4, 8 or 16
+    nomath: bool = False  # (scripts/int4_diag_probe.py: loads and loop only, no unpacking or mma)
 
 
 def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int = 4, batch: int = 2,
