@@ -441,6 +441,7 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
         const u16* mn1 = mn + min(n0 + 1, N - 1);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};         // rows r0 (n0, n0 + 1), r1 (n0, n0 + 1)
         float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+        u32 ssA = 0u, smA = 0u, ssB = 0u, smB = 0u;  // scale and min pairs (n0, n0 + 1) of the lane's two steps
 #pragma unroll UNROLL_B
         for (int b = 0; b < NB; b++) {
             uint4 wnext[V];
@@ -452,6 +453,16 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 #pragma unroll
             for (int v = 0; v < V; v++) {
                 const int st = b * V + v, j = st % GS;
+                if (j == 0) {                                // a super-step starts: load the scales and mins
+#pragma unroll                                               // its end needs, so that their latency hides
+                    for (int h = 0; h < 2; h++) {            // behind its steps (not a stall per super-step)
+                        const int sst = min(st + (h ? jB : jA), NSTEP - 1);
+                        const size_t go = (size_t)min(((sst * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
+                        const u32 ss = __ldg(sc0 + go) | ((u32)__ldg(sc1 + go) << 16);
+                        const u32 sm = __ldg(mn0 + go) | ((u32)__ldg(mn1 + go) << 16);
+                        if (h) { ssB = ss; smB = sm; } else { ssA = ss; smA = sm; }
+                    }
+                }
                 const int so = st * 72;                      // (st * 16) * 4 + st * 8: the step's x pairs
                 const u32* pa = (j == jA && mA < M) ? xrowA + so : zrow;
                 const u32* pb = (j == jB && mB < M) ? xrowB + so : zrow;
@@ -480,9 +491,9 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                         const int mm = h ? mB : mA, jj = h ? jB : jA, sst = s0 + jj;
                         if (mm < M && sst < NSTEP) {
                             const float X = xsum[mm * NSTEP + sst];
-                            const size_t go = (size_t)min(((sst * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
-                            const float S0 = h2f(__ldg(sc0 + go)), S1 = h2f(__ldg(sc1 + go));
-                            const float M0 = h2f(__ldg(mn0 + go)), M1 = h2f(__ldg(mn1 + go));
+                            const u32 ss = h ? ssB : ssA, sm = h ? smB : smA;
+                            const float S0 = h2f((u16)(ss & 0xFFFFu)), S1 = h2f((u16)(ss >> 16));
+                            const float M0 = h2f((u16)(sm & 0xFFFFu)), M1 = h2f((u16)(sm >> 16));
                             acc[2 * h] += S0 * (d[2 * h] + e[2 * h] - MAGIC_V * X) + M0 * X;
                             acc[2 * h + 1] += S1 * (d[2 * h + 1] + e[2 * h + 1] - MAGIC_V * X) + M1 * X;
                         }
