@@ -305,6 +305,12 @@ def test_shape_classes_hold_only_triton_modes():
     assert T.ROWS_CLASS.mode == "rows" and T.class_config(1, 5000, 2048) is T.ROWS_CLASS
     assert T.class_config(1, 2048, 8192).mode == "fma"          # tall K: the split-K kernel, not `rows`
     assert T.class_config(4, 5000, 2048).mode == "dot_x" and T.class_config(1, 102400, 4096).mode == "fma"
+    for cfg in T.CUDA_CLASS.values():                 # the CUDA class: pack 16, as the Triton class it falls to
+        assert cfg.mode == "diag" and cfg.pack == 16
+    assert T.tiled_config(1, 151936, 2048, 128).mode == "diag"  # (Qwen3's lm_head: the CUDA class)
+    assert T.tiled_config(1, 151936, 4096, 128).mode == "fma"   # (taller K: not measured with it)
+    assert T.tiled_config(16, 151936, 2048, 128).mode == "dot_x" and T.tiled_config(1, 4096, 2048, 128).mode == "cuda"
+    assert T.tinygemm_buckets(11008, 2048) == set() and T.tinygemm_buckets(5000, 2048) == {1, 4}
     for (n, k, g, rows), cfg in T.TUNED.items():      # one pack per shape (the layout is made once)
         assert cfg.pack == T.tiled_config(1, n, k, g).pack, (n, k, g, rows)
         assert cfg.mode != "cuda" or rows == 1
@@ -428,26 +434,28 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,rows,mode", [((4096, 2048), 1, "cuda"), ((102400, 2048), 1, "mma"),
-                                            ((102400, 2048), 4, "mma")])
+@pytest.mark.parametrize("shape,rows,mode", [((4096, 2048), 1, "cuda"), ((102400, 2048), 1, "diag"),
+                                            ((102400, 2048), 2, "diag"), ((102400, 2048), 3, "diag"),
+                                            ((30000, 2048), 4, "diag")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_linear_int4_cuda_modes_load_and_capture(shape, rows, mode, dtype):
-    """A layer whose tuned config is a CUDA mode compiles at load (with its bias, both dtypes): a CUDA-graph
-    capture of its forward then compiles nothing, and replays equal the eager result."""
+    """A layer whose config is a CUDA mode (tuned, or the CUDA class for 30000 x 2048) compiles at load every
+    binary its rows bucket can need (with its bias, both dtypes): a CUDA-graph capture of its forward, before
+    any eager call, then compiles nothing, and replays equal the eager result."""
     torch.manual_seed(0)
     n, k = shape
     mod = Int4Linear.from_weight(torch.randn(n, k, device="cuda") * 0.02, torch.randn(n, device="cuda"),
                                  Int4Options(backend="triton"), device="cuda", dtype=dtype)
-    assert f"gemv({mode})" in mod.extra_repr()
+    assert f"gemv({mode}) at" in mod.extra_repr() and mod._gemv_config(rows, dtype).mode == mode
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    want = mod(x)
-    ref = torch.nn.functional.linear(x.float(), P.dequantize(mod.weight_int4), mod.bias.float())
-    assert sqnr(ref, want.float()) > 40
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):               # (the first call of this rows count is the capture)
         out = mod(x)
     graph.replay()
     torch.cuda.synchronize()
+    want = mod(x)
+    ref = torch.nn.functional.linear(x.float(), P.dequantize(mod.weight_int4), mod.bias.float())
+    assert sqnr(ref, want.float()) > 40
     assert torch.equal(out, want)
 
 

@@ -1,4 +1,4 @@
-"""CUDA C decode GEMVs of `linear_int4` (modes "cuda" and "mma"), compiled at first use with NVRTC.
+"""CUDA C decode GEMVs of `linear_int4` (modes "cuda", "mma", "diag"), compiled at first use with NVRTC.
 
 Why CUDA C next to the Triton kernels: on the H200 the Triton GEMVs stop at ~1.9 TB/s on a 100 MB
 int4 weight while a Triton read of the same bytes runs at ~4 TB/s; the unpacking, not the memory, is
@@ -17,12 +17,15 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   128 + q (1024 + q) with one lop3 and are the B fragment of an m16n8k16 mma as they are; x is the A
   fragment. Per 8 weights: 3 shifts, 4 lop3 and a quarter of an mma, for any number of rows up to 16.
 
-Measured (docs/gpu.md): both reach ~2.0 TB/s on the lm_head, like the Triton kernels. Nsight Compute
-counts ~190 warp instructions per 1024 weights for the mma kernel (4 warps a block, no persistent grid),
-of which its inner loop needs 36 (per word 3 shifts and 4 lop3; 8 mma a step); the PTX of a step holds
-~97. The rest, the x staging of every block, the per-step scale loads and corrections and the 64-bit
-address arithmetic, is what the next step must cut (a persistent grid already helps: it stages x once
-per block, and measured fastest).
+* `gemv_diag` (mode "diag", 1-16 rows): as `gemv_mma`, but the 16 A rows of the mma hold (x row, step
+  of a super-step of 16 / rows steps), so each step's sum stays apart in the accumulator for a whole
+  super-step and the scale work runs once per super-step instead of once per step (PTX per 16-word
+  step 97 -> 64). scripts/int4_diag_emulate.py checks the fragment design lane by lane in numpy.
+
+Measured (docs/gpu.md): `cuda` and `mma` reach ~2.0 TB/s on the lm_head, like the Triton kernels
+(Nsight Compute: ~190 warp instructions per 1024 weights for mma, of which its inner loop needs 36);
+`diag` with a persistent grid reaches 2.6-2.8 TB/s (0.57-0.60 of the read roofline, 2.8-3.2x bf16),
+and 0.74-0.80 with its math removed (scripts/int4_diag_probe.py).
 
 Compilation: `torch.cuda._compile_kernel` (NVRTC, shipped with every CUDA build of torch; no nvcc,
 no build step at install). One binary per compile-time shape (`CudaGemvShape`, `MmaShape`), cached per
@@ -644,7 +647,7 @@ def unavailable_reason(device=None) -> str | None:
 
 
 def _self_test(idx: int) -> str | None:
-    """Both kernels on a small odd shape against the dequantized weight; None when they agree."""
+    """The three kernels on a small odd shape against the dequantized weight; None when they agree."""
     from . import int4_pack
     major, minor = torch.cuda.get_device_capability(idx)
     if major < 8:
@@ -653,8 +656,10 @@ def _self_test(idx: int) -> str | None:
         with torch.cuda.device(idx):
             g = torch.Generator(device="cpu").manual_seed(1)
             w = torch.randn(96, 392, generator=g) * 0.05
-            for group, rows, run in ((64, 1, lambda x_, t_: gemv(x_, t_, None, rows_per_warp=2, warps=4, step_batch=1)),
-                                     (128, 3, lambda x_, t_: gemv_mma(x_, t_, None, warps=2, batch=2))):
+            for name, group, rows, run in (
+                    ("one-row", 64, 1, lambda x_, t_: gemv(x_, t_, None, rows_per_warp=2, warps=4, step_batch=1)),
+                    ("mma", 128, 3, lambda x_, t_: gemv_mma(x_, t_, None, warps=2, batch=2)),
+                    ("diag", 128, 2, lambda x_, t_: gemv_diag(x_, t_, None, warps=3, batch=2, ctas_per_sm=1))):
                 iw = int4_pack.quantize(w, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
                 x = torch.randn(rows, 392, generator=g).to(f"cuda:{idx}", torch.bfloat16)
@@ -663,7 +668,7 @@ def _self_test(idx: int) -> str | None:
                 torch.cuda.synchronize()
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 if not err < 1e-2:
-                    return f"self-test mismatch ({'mma' if rows > 1 else 'one-row'} kernel, relative error {err:.3g})"
+                    return f"self-test mismatch ({name} kernel, relative error {err:.3g})"
         return None
     except Exception as exc:                                          # noqa: BLE001 - reported by doctor
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -672,7 +677,7 @@ def _self_test(idx: int) -> str | None:
 
 
 def _checked(x: torch.Tensor, w, bias: torch.Tensor | None):
-    """The checks both kernels need (they read raw pointers): x and bias in x's dtype, contiguous, on the
+    """The checks the kernels need (they read raw pointers): x and bias in x's dtype, contiguous, on the
     weight's GPU; the weight tensors contiguous, 16-byte aligned words. Returns (x, bias, device index)."""
     k = x.shape[1]
     if x.dtype not in (torch.bfloat16, torch.float16):

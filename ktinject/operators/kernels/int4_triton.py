@@ -287,6 +287,7 @@ class TiledConfig:
     mode: str = "fma"               # fma | fma_dq | rows (M <= 4) | dot | dot_x (M <= 16, bf16/fp16 activations)
     #                                 cuda (M = 1: the NVRTC kernel of int4_cuda; block_n / num_warps rows a warp)
     #                                 mma (M <= 16: int4_cuda's tensor-core kernel; block_n = 8 x num_warps)
+    #                                 diag (M <= 16: as mma, scale work once per super-step; block_n = 8 x warps)
     block_n: int = 64               # rows per program
     num_warps: int = 4
     num_stages: int = 1             # (Triton does not software-pipeline this loop: stages change nothing)
@@ -296,8 +297,8 @@ class TiledConfig:
     prefetch: bool = False          # load the next tile's words before computing this one
     reduce: str = "serial"          # split-K sums: serial (fixed order) | atomic (fp32 atomics; any order)
     chunk: int = 16                 # mode rows: tiles per load wave (power of two); rows never splits K
-    #                                 mode cuda: 128-word steps per load batch; mma: 16-word steps
-    ctas: int = 0                   # mode mma: blocks per SM of a persistent grid (0: a warp per 8 rows)
+    #                                 mode cuda: 128-word steps per load batch; mma, diag: 16-word steps
+    ctas: int = 0                   # modes mma, diag: blocks per SM of a persistent grid (0: a warp per 8 rows)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -796,12 +797,15 @@ def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> b
 
 def warm_up(w, rows: int, cfg: TiledConfig, with_bias: bool = False) -> None:
     """Run the GEMV on zeros for every binary a call of this rows bucket can need (bf16 and fp16, with a
-    bias if the layer has one, and for the tensor-core kernel up to 8 rows and past 8): this compiles the NVRTC
-    kernels of modes cuda/mma and runs their self-test. linear_int4 calls it at load, as a CUDA-graph
+    bias if the layer has one, and for the tensor-core kernels every rows variant of the bucket): this compiles
+    the NVRTC kernels of modes cuda/mma/diag and runs their self-test. linear_int4 calls it at load, as a CUDA-graph
     capture must neither compile nor synchronize."""
     if not (w.qweight.is_cuda and not torch.cuda.is_current_stream_capturing()):
         return
-    counts = {rows, min(rows, 8)} if cfg.mode != "cuda" else {rows}
+    if cfg.mode == "diag":        # one binary per power of two of rows: every one the bucket holds
+        counts = {m for m in (1, 2, 4, 8, 16) if rows_bucket(m) == rows_bucket(rows)}
+    else:                         # mma: one binary up to 8 rows, one past 8; cuda: one row
+        counts = {rows, min(rows, 8)} if cfg.mode != "cuda" else {rows}
     with torch.cuda.device(w.qweight.device):      # (loading need not make the layer's GPU current)
         for dtype in (torch.bfloat16, torch.float16):
             for m in sorted(counts):
@@ -828,26 +832,27 @@ def int4_dequantize_tiled(w, dtype: torch.dtype) -> torch.Tensor:
 # rows bucket: 1, 4 (2..4 rows) or 16 (5..16 rows). All buckets of one shape must share `pack` (the
 # layout is made once, at load, with the pack of the 1-row config).
 TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
-    # measured on the H200 on 2026-12-02 (scripts/int4_sweep.py --quick, device run 13): us ours / bf16 / tinygemm
-    (102400, 2048, 128, 1): TiledConfig("mma", block_n=64, num_warps=8, chunk=4, ctas=4, pack=16),   # 56.9 / 125.0 / 64.4
-    (102400, 2048, 128, 4): TiledConfig("mma", block_n=64, num_warps=8, chunk=2, pack=16),   # 79.6 / 113.2 / 87.1
-    (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 125.6 / 113.7 / 239.2
-    (21888, 2048, 128, 1): TiledConfig("fma", block_n=256, num_warps=4, target_programs=264, pack=16),   # 15.3 / 26.3 / 15.4
-    (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.8 / 17.5 / rejects K
-    (10944, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 9.8 / 14.9 / 9.1
-    (7168, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 7.4 / 10.4 / 6.9
-    (4096, 4096, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 8.3 / 13.9 / 7.0
-    (4096, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 5.1 / 7.4 / 4.4
-    (3072, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / 3.9
-    (2048, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 3.9 / 6.2 / 3.8
-    (2048, 2048, 128, 4): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 6.4 / 6.2 / 4.8
-    (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 7.1 / 6.2 / 7.6
-    (2048, 2048, 32, 1): TiledConfig("rows", block_n=4, num_warps=4, pack=16),   # 5.8 / 6.2 / 4.4
-    (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.7 / rejects per-channel
+    # measured on the H200 on 2026-12-02 (scripts/int4_sweep.py --quick; diag: SWEEP_DIAG_WIDE=1, device runs
+    # 1-7 of the tenth session): us ours / bf16 / tinygemm, a range where several runs measured the config
+    (102400, 2048, 128, 1): TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),   # 40.4-41.8 / 117.5-129.7 / 61.8-64.4
+    (102400, 2048, 128, 4): TiledConfig("diag", block_n=32, num_warps=4, chunk=2, ctas=4, pack=16),   # 66.8-71.4 / 105.0-117.8 / 84.6-86.1
+    (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
+    (21888, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=2, pack=16),   # 12.5-12.9 / 25.1-26.4 / 15.2-15.7
+    (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.9 / 16.9-17.9 / rejects K
+    (10944, 2048, 128, 1): TiledConfig("diag", block_n=88, num_warps=11, chunk=4, ctas=2, pack=16),   # 7.9-8.4 / 14.2-15.7 / 8.9-9.2
+    (7168, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=8, ctas=2, pack=16),   # 6.8-7.2 / 10.2-10.8 / 6.6-7.1
+    (4096, 4096, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 8.3 / 13.8 / 7.1
+    (4096, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 5.1-5.2 / 7.5 / 4.5
+    (3072, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.6 / 6.8 / 4.1
+    (2048, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 3.9 / 6.2 / 3.7
+    (2048, 2048, 128, 4): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 6.4 / 6.2 / 4.3
+    (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 7.1 / 6.2 / 7.7
+    (2048, 2048, 32, 1): TiledConfig("rows", block_n=4, num_warps=4, pack=16),   # 5.9 / 6.3 / 4.5
+    (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / rejects per-channel
 }
 
 # Shape classes: (largest bf16 size of the weight in MB, {rows bucket: config}); the first that holds it.
-# Only Triton modes here: the CUDA modes (cuda, mma) fall back to these where NVRTC is missing.
+# Only Triton modes here: the CUDA modes (cuda, mma, diag) fall back to these where NVRTC is missing.
 # One row, K <= 4096 and <= 70 MB: `rows` (it won every such shape measured on 2026-12-02); past that K it
 # was not measured, and with no K split a tall-K matrix gets few programs: the split-K `fma` stays there.
 ROWS_CLASS = TiledConfig("rows", block_n=8, num_warps=4, pack=16)
@@ -865,19 +870,30 @@ CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
                     16: TiledConfig("dot_x", block_n=128, num_warps=4, num_stages=1, target_programs=528, pack=16)}),
 ]
 
+# The CUDA class: the tensor-core kernel `diag` won every measured one- and four-row shape from 45 MB of
+# bf16 up (10944, 21888 and 102400 rows of 2048 inputs); it falls back to the Triton class above where
+# NVRTC is missing. Taller K was not measured with it (a longer super-step loop), so it holds to K <= 2048.
+CUDA_CLASS = {1: TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),
+              4: TiledConfig("diag", block_n=32, num_warps=4, chunk=2, ctas=4, pack=16)}
+CUDA_CLASS_MIN_MB = 40.0
+CUDA_CLASS_MAX_K = 2048
+
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
-TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweep)
-    (2048, 2048): {1, 4}, (3072, 2048): {1}, (4096, 2048): {1}, (4096, 4096): {1}, (7168, 2048): {1},
-    (10944, 2048): {1},
-    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 70 MB at one row
+TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps)
+    (2048, 2048): {1, 4}, (3072, 2048): {1}, (4096, 2048): {1}, (4096, 4096): {1},
+    (7168, 2048): {1},           # (a tie: tinygemm won two of three runs)
+    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row
 }
 
 
 def tinygemm_buckets(n: int, k: int) -> set:
     """Rows buckets in which tinygemm runs for an [N, K] weight under backend auto (exact shape first)."""
     hit = TINYGEMM_FASTER.get((n, k))
-    return set(hit) if hit is not None else set(TINYGEMM_FASTER.get(shape_class(n, k), ()))
+    if hit is not None:
+        return set(hit)
+    # (a class entry never covers a bucket of the CUDA class: the tensor-core kernel beat tinygemm there)
+    return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ()) if cuda_class_config(b, n, k) is None}
 
 
 def rows_bucket(m: int) -> int:
@@ -897,9 +913,17 @@ def class_config(m: int, n: int, k: int) -> TiledConfig:
     return next(c for lim, c in CLASS_CONFIGS if lim == limit)[rows_bucket(m)]
 
 
+def cuda_class_config(m: int, n: int, k: int) -> TiledConfig | None:
+    """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class)."""
+    if k <= CUDA_CLASS_MAX_K and n * k * 2 / 1e6 >= CUDA_CLASS_MIN_MB:
+        return CUDA_CLASS.get(rows_bucket(m))
+    return None
+
+
 def tiled_config(m: int, n: int, k: int, group: int) -> TiledConfig:
-    """The launch config for `m` rows on an [N, K] weight (exact tuned shape, else its class)."""
-    return TUNED.get((n, k, group, rows_bucket(m))) or class_config(m, n, k)
+    """The launch config for `m` rows on an [N, K] weight: the exact tuned shape, else its class (the CUDA
+    class where it holds one; where the CUDA kernels cannot run, the dispatcher takes the Triton class)."""
+    return TUNED.get((n, k, group, rows_bucket(m))) or cuda_class_config(m, n, k) or class_config(m, n, k)
 
 
 def tiled_pack(n: int, k: int, group: int) -> int:
