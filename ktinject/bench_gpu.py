@@ -1,11 +1,12 @@
 """GPU micro-benchmarks: `python -m ktinject.bench_gpu [--out DIR] [--only int4,mla,gen] [--sweep]`.
 
 * int4: batch 1/4/16 GEMV on real projection shapes, bf16 `F.linear` vs torch's
-  `aten._weight_int4pack_mm` vs `linear_int4`, each timed inside one CUDA graph that cycles
-  through enough weight copies to exceed the L2 cache (median of replays).
+  `aten._weight_int4pack_mm` vs `linear_int4`'s decode GEMV as the operator runs it (and the older
+  plain-layout GEMV of `gpu_experts`), each timed inside one CUDA graph that cycles through enough
+  weight copies to exceed the L2 cache (median of replays).
 * mla: one DeepSeek attention layer at a 32k-token context: the unmodified transformers module
   (its DynamicCache) against `mla_attention` (eager and CUDA graph), decode step time, cache bytes.
-* fp8: bf16 `F.linear` vs `linear_fp8` (torch._scaled_mm, row-wise scales).
+* fp8: bf16 `F.linear` vs `linear_fp8`'s paths: torch._scaled_mm (row-wise scales) and the fp8 GEMV.
 * gen: a DeepSeek-V2-Lite-shaped model cut to a few layers (random weights): the engine's
   prefill / decode tokens per second, unmodified vs mla_attention + linear_int4 + graph decode.
 
@@ -123,8 +124,12 @@ def torch_int4(iw, group):
 
 
 def bench_int4(sweep: bool) -> list[dict]:
+    """Per shape and rows: bf16 F.linear, tinygemm, `linear_int4`'s decode GEMV as the operator runs it (the
+    tiled layout and the config `int4_triton.tiled_config` picks: TUNED, the CUDA class or the Triton class,
+    with the same fallback), and the older plain-layout GEMV that `gpu_experts` runs (`--sweep`: more configs
+    of it). The operator's own launch-config sweep is scripts/int4_sweep.py."""
     from .operators.kernels import int4_triton as T
-    from .operators.kernels.int4_pack import dequantize, quantize
+    from .operators.kernels.int4_pack import dequantize, quantize, tile
     rows = []
     for label, n, k, group in INT4_SHAPES:
         torch.manual_seed(0)
@@ -135,32 +140,35 @@ def bench_int4(sweep: bool) -> list[dict]:
         int4_bytes = n * k // 2 + 4 * iw.scales.numel()
         copies = max(1, min(64, math.ceil(L2_BYTES / int4_bytes)))
         tint4, why = torch_int4(iw, group)
+        g = group if group > 0 else k
+        tws = [tile(iw, T.tiled_pack(n, k, g)) for _ in range(copies)]
         for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ wd.float().T
             row = {"shape": label, "N": n, "K": k, "group": group, "batch": m, "bf16_MB": n * k * 2 / 1e6}
             wds = [wd] + [wd.clone() for _ in range(min(copies, max(1, math.ceil(L2_BYTES / (n * k * 2)))) - 1)]
             row["bf16_us"] = graph_time([lambda w_=w_: F.linear(x, w_) for w_ in wds]) * 1e6
+            cfg = T.tiled_config(m, n, k, g)
+            mode = cfg.mode
+            if mode in ("cuda", "mma", "diag") and not T.cuda_mode_runs(cfg, tws[0], m, x.device, x.dtype):
+                mode = T.class_config(m, n, k).mode                            # (the dispatcher's fallback)
+            y = T.int4_gemv_tiled(x, tws[0], None, cfg)                      # (compiles, before any capture)
+            row["ours_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+            row["ours_us"] = graph_time([lambda t_=t_: T.int4_gemv_tiled(x, t_, None, cfg) for t_ in tws]) * 1e6
+            row["ours_mode"] = mode
             iws = [iw] + [type(iw)(iw.qweight.clone(), iw.scales.clone(), iw.mins.clone(), group)
                           for _ in range(copies - 1)]
             configs = [T.default_config(m, n, k)]
             if sweep:
                 configs += [T.GemvConfig(*c) for c in SWEEP.get(m, [])]
-            best, timings = None, {}
-            for cfg in configs:
+            plain = []
+            for pc in configs:
                 try:
-                    y = T.int4_gemv(x, iw.qweight, iw.scales, iw.mins, group, None, cfg)
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    t = graph_time([lambda i=i, c=cfg: T.int4_gemv(x, i.qweight, i.scales, i.mins, group, None, c)
-                                    for i in iws])
+                    plain.append(graph_time([lambda i=i, c=pc: T.int4_gemv(x, i.qweight, i.scales, i.mins, group, None, c)
+                                             for i in iws]) * 1e6)
                 except Exception as exc:
-                    log.warning("config %s failed on %s: %s", cfg, label, exc)
-                    continue
-                timings[cfg] = t * 1e6
-                if best is None or t < best[0]:
-                    best = (t, cfg, err)
-            row["ours_us"], row["ours_cfg"], row["ours_rel_err"] = best[0] * 1e6, list(vars(best[1]).values()), best[2]
-            row["default_us"] = timings.get(configs[0])
+                    log.warning("plain-layout config %s failed on %s: %s", pc, label, exc)
+            row["plain_us"] = min(plain) if plain else None
             if tint4 is not None:
                 try:
                     y = tint4(x)
@@ -177,33 +185,39 @@ def bench_int4(sweep: bool) -> list[dict]:
             log.info("%s", row)
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del wds
-        del iws, wd
+            del wds, iws
+        del tws, wd
         torch.cuda.empty_cache()
     return rows
 
 
 # ---- fp8 ---------------------------------------------------------------------------------------
-FP8_SHAPES = [("V3 dense gate 18432x7168", 18432, 7168), ("4096x4096", 4096, 4096)]
+FP8_SHAPES = [("V3 dense gate 18432x7168", 18432, 7168), ("V3 q_b_proj 24576x1536", 24576, 1536),
+              ("4096x4096", 4096, 4096), ("V3 kv_a_proj 576x7168", 576, 7168)]
 
 
 @torch.no_grad()
 def bench_fp8() -> list[dict]:
-    from .operators.linear_fp8 import Fp8Linear
+    """bf16 F.linear vs linear_fp8's two CUDA paths on the same weight: scaled_mm (every row count) and the
+    fp8 GEMV (backend gemv, 1-16 rows). Each path's output against the bf16 linear in fp32."""
+    from .operators.linear_fp8 import Fp8Linear, Fp8Options
     rows = []
     for label, n, k in FP8_SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies = max(1, min(32, math.ceil(L2_BYTES / (n * k))))
-        mods = [Fp8Linear.from_weight(w, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        mods = {b: [Fp8Linear.from_weight(w, options=Fp8Options(backend=b), device="cuda", dtype=torch.bfloat16)
+                    for _ in range(copies)] for b in ("scaled_mm", "gemv")}
         wds = [w] + [w.clone() for _ in range(max(1, math.ceil(L2_BYTES / (2 * n * k))) - 1)]
-        for m in (1, 16, 512):
+        for m in (1, 4, 16, 512):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.float(), w.float())
-            err = ((mods[0](x).float() - ref).norm() / ref.norm()).item()
-            row = {"shape": label, "batch": m, "bf16_us": graph_time([lambda w_=w_: F.linear(x, w_) for w_ in wds]) * 1e6,
-                   "fp8_us": graph_time([lambda f=f: f(x) for f in mods]) * 1e6, "fp8_rel_err": err,
-                   "path": mods[0].path()}
-            row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            row = {"shape": label, "batch": m, "bf16_us": graph_time([lambda w_=w_: F.linear(x, w_) for w_ in wds]) * 1e6}
+            for b, ms in mods.items():
+                if ms[0].path(m) != b:
+                    continue
+                row[f"{b}_rel_err"] = ((ms[0](x).float() - ref).norm() / ref.norm()).item()
+                row[f"{b}_us"] = graph_time([lambda f=f: f(x) for f in ms]) * 1e6
+                row[f"{b}_x_bf16"] = row["bf16_us"] / row[f"{b}_us"]
             print(json.dumps(row), flush=True)
             rows.append(row)
         del mods, wds, w
@@ -369,14 +383,14 @@ def bench_generate(layers: int = 4, prompt_tokens: int = 512, new_tokens: int = 
 def to_markdown(res: dict) -> str:
     out = [f"Hardware: {res['hardware']}", ""]
     if res.get("int4"):
-        out += ["| shape | bf16 MB | batch | bf16 us | torch int4 us | ours (default) us | ours (best) us | "
-                "x bf16 | x torch int4 | best cfg |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["| shape | bf16 MB | batch | bf16 us | torch int4 us | ours us | mode | x bf16 | x torch int4 | "
+                "plain layout us |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["int4"]:
             ti = f"{r['torch_int4_us']:.1f}" if r.get("torch_int4_us") else "rejects" if r.get("torch_int4") else "-"
             sp = f"{r['speedup_vs_torch_int4']:.2f}" if r.get("speedup_vs_torch_int4") else "-"
-            du = f"{r['default_us']:.1f}" if r.get("default_us") else "-"
-            out.append(f"| {r['shape']} | {r['bf16_MB']:.1f} | {r['batch']} | {r['bf16_us']:.1f} | {ti} | {du} | "
-                       f"{r['ours_us']:.1f} | {r['speedup_vs_bf16']:.2f} | {sp} | {r['ours_cfg']} |")
+            pu = f"{r['plain_us']:.1f}" if r.get("plain_us") else "-"
+            out.append(f"| {r['shape']} | {r['bf16_MB']:.1f} | {r['batch']} | {r['bf16_us']:.1f} | {ti} | "
+                       f"{r['ours_us']:.1f} | {r['ours_mode']} | {r['speedup_vs_bf16']:.2f} | {sp} | {pu} |")
         out.append("")
     if res.get("mla"):
         out += ["| model | context | transformers ms | ours eager ms | ours graph ms | x eager | x graph | "
@@ -388,10 +402,14 @@ def to_markdown(res: dict) -> str:
                        f"{r['expanded_kv_bytes_per_token']} |")
         out.append("")
     if res.get("fp8"):
-        out += ["| shape | batch | bf16 us | fp8 us | x bf16 | rel err | path |", "|---|---|---|---|---|---|---|"]
+        out += ["| shape | batch | bf16 us | scaled_mm us | x bf16 | rel err | gemv us | x bf16 | rel err |",
+                "|---|---|---|---|---|---|---|---|---|"]
+
+        def cells(r, b):
+            return (f"{r[b + '_us']:.1f} | {r[b + '_x_bf16']:.2f} | {r[b + '_rel_err']:.4f}" if b + "_us" in r
+                    else "- | - | -")
         for r in res["fp8"]:
-            out.append(f"| {r['shape']} | {r['batch']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['speedup']:.2f} | "
-                       f"{r['fp8_rel_err']:.4f} | {r['path']} |")
+            out.append(f"| {r['shape']} | {r['batch']} | {r['bf16_us']:.1f} | {cells(r, 'scaled_mm')} | {cells(r, 'gemv')} |")
         out.append("")
     if res.get("gen"):
         out += ["| setup | prompt | new | prefill tok/s | decode tok/s | decode mode |", "|---|---|---|---|---|---|"]

@@ -1,5 +1,7 @@
 """linear_fp8: DeepSeek-V3-style block-scaled FP8 weights and dense weights; the CPU math and,
 on the H200, torch._scaled_mm against it."""
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 from ktinject.errors import LoadError, WeightError
 from ktinject.operators import BuildContext, get
 from ktinject.operators.linear_fp8 import FP8, Fp8Linear, Fp8Options, dequantize_blockwise
+from ktinject.testing import run_in_triton_interpreter
 
 
 def sqnr(ref, x):
@@ -70,3 +73,78 @@ def test_gpu_scaled_mm_matches_math(rows):
     x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
     got = mod(x).float()
     assert sqnr(F.linear(x.float(), ref_w), got) > 22
+
+
+_INTERP_GEMV = textwrap.dedent("""
+    import torch
+    from ktinject.operators.kernels.fp8_triton import fp8_gemv
+    from ktinject.operators.linear_fp8 import Fp8Linear, Fp8Options, quantize_rowwise
+    torch.manual_seed(0)
+    # (rows, N, K, dtype, bias): one row with K a multiple of the block and not, N past the block and tiny,
+    # 2-16 rows through tl.dot (fp16 and fp32 here: the interpreter's bf16 dot is broken)
+    for m, n, k, dt, bias in [(1, 40, 1088, torch.bfloat16, True), (1, 600, 512, torch.float32, False),
+                              (1, 7, 100, torch.float16, True), (3, 40, 320, torch.float16, True),
+                              (16, 33, 512, torch.float32, True), (5, 70, 200, torch.float16, False)]:
+        q, s = quantize_rowwise(torch.randn(n, k))
+        x = torch.randn(m, k).to(dt)
+        b = torch.randn(n).to(dt) if bias else None
+        y = fp8_gemv(x, q, s, b)
+        assert y.dtype == dt and y.shape == (m, n)
+        ref = x.float() @ (q.float() * s[:, None]).T + (b.float() if bias else 0)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert err < (1e-5 if dt == torch.float32 else 1e-2), (m, n, k, dt, err)
+    for bad, match in [(lambda: fp8_gemv(torch.randn(1, 64), torch.randn(8, 64), torch.ones(8)), "float8"),
+                       (lambda: fp8_gemv(torch.randn(17, 64), q[:, :64].contiguous(), s), "1 to 16 rows"),
+                       (lambda: fp8_gemv(torch.randn(1, 200), q, s[:3]), "scale")]:
+        try:
+            bad()
+        except ValueError as exc:
+            assert match in str(exc), exc
+        else:
+            raise AssertionError(match)
+    # the operator: gemv up to gemv_max_batch rows, then the fallback path (torch off CUDA)
+    Fp8Linear._kernels_on_cpu = True
+    w, b = torch.randn(48, 256), torch.randn(48)
+    mod = Fp8Linear.from_weight(w, b, options=Fp8Options(backend="gemv", gemv_max_batch=4), dtype=torch.float16)
+    ref = Fp8Linear.from_weight(w, b, options=Fp8Options(backend="torch"), dtype=torch.float16)
+    assert mod.path(4) == "gemv" and mod.path(5) == "torch" and "gemv at <= 4 rows, torch above" in repr(mod)
+    for rows in (1, 3, 6):
+        x = torch.randn(2, rows, 256, dtype=torch.float16) if 2 * rows <= 4 else torch.randn(rows, 256).half()
+        got, want = mod(x).float(), ref(x).float()
+        assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() < 1e-2, rows
+    print("ok")
+""")
+
+
+def test_fp8_gemv_in_interpreter():
+    pytest.importorskip("triton")
+    run_in_triton_interpreter(_INTERP_GEMV)
+
+
+def test_gemv_backend_off_cuda_and_options():
+    mod = Fp8Linear.from_weight(torch.randn(16, 64), options=Fp8Options(backend="gemv"))
+    assert mod.path(1) == "torch" and "path=torch" in repr(mod)     # no Triton GEMV on the CPU: the math
+    with pytest.raises(ValueError, match="gemv_max_batch"):
+        Fp8Options(gemv_max_batch=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(2048, 1536), (576, 7168), (18432, 7168)])
+def test_gpu_fp8_gemv_matches_math(rows, shape):
+    """backend gemv on the H200: the fp8 GEMV against the dequantized block checkpoint, in a CUDA graph too."""
+    n, k = shape
+    q, s = fp8_checkpoint(n, k)
+    ref_w = dequantize_blockwise(q, s, 128).cuda()
+    bias = torch.randn(n)
+    mod = Fp8Linear.from_weight(q, bias, s, options=Fp8Options(backend="gemv"), device="cuda", dtype=torch.bfloat16)
+    assert mod.path(rows) == "gemv" and mod.path(17) == "scaled_mm"
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    got = mod(x)
+    assert sqnr(F.linear(x.float(), ref_w, bias.cuda()), got.float()) > 25   # (no activation rounding here)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)

@@ -6,7 +6,9 @@ dense weight. They are stored as e4m3 with one fp32 scale per output channel (bl
 are folded in at load: dequantize, then requantize per row), because row-wise scaling is the
 form `torch._scaled_mm` runs on every Hopper build; activations are quantized per token at
 run time. Paths (in `extra_repr`): `scaled_mm` on CUDA devices of compute capability >= 8.9,
-`torch` (dequantize + matmul) elsewhere, so CI checks the math on the CPU.
+`torch` (dequantize + matmul) elsewhere, so CI checks the math on the CPU. With `backend: gemv`,
+up to `gemv_max_batch` rows take `kernels/fp8_triton.fp8_gemv` instead (the weight widened in the
+kernel, x kept in its dtype: no per-token activation quantization); more rows take `scaled_mm`.
 """
 from __future__ import annotations
 
@@ -24,17 +26,20 @@ from .registry import register
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-BACKENDS = ("auto", "scaled_mm", "torch")
+BACKENDS = ("auto", "scaled_mm", "gemv", "torch")
 
 
 @dataclass(frozen=True)
 class Fp8Options:
     block_size: int = 128           # block edge of `weight_scale_inv` in FP8 checkpoints
-    backend: str = "auto"           # auto: scaled_mm on sm_89+, else torch | scaled_mm | torch
+    backend: str = "auto"           # auto: scaled_mm on sm_89+, else torch | scaled_mm | gemv | torch
+    gemv_max_batch: int = 16        # backend gemv: rows up to which the fp8 GEMV runs (1-16)
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 1 <= self.gemv_max_batch <= 16:
+            raise ValueError(f"gemv_max_batch must be 1 to 16, got {self.gemv_max_batch}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
@@ -62,7 +67,8 @@ class Fp8Linear(Operator):
     Options = Fp8Options
     replaces = ("Linear",)
     device_types = ("cuda", "cpu")
-    summary = "FP8 e4m3 weight linear (torch._scaled_mm, row-wise scales; torch fallback math)"
+    summary = "FP8 e4m3 weight linear (torch._scaled_mm or an fp8 GEMV, row-wise scales; torch fallback math)"
+    _kernels_on_cpu = False         # tests: run the Triton GEMV on CPU tensors (TRITON_INTERPRET=1)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, options: Fp8Options,
                  device: torch.device, dtype: Optional[torch.dtype]):
@@ -130,10 +136,14 @@ class Fp8Linear(Operator):
             used.add(bkey)
         return used
 
-    def path(self) -> str:
-        if self.options.backend == "torch":
+    def path(self, rows: int = 1) -> str:
+        """The path a call with `rows` rows takes: gemv, scaled_mm or torch."""
+        backend, dev = self.options.backend, self.weight.device
+        if backend == "torch":
             return "torch"
-        if self.options.backend == "scaled_mm" or _scaled_mm_ok(self.weight.device):
+        if backend == "gemv" and rows <= self.options.gemv_max_batch and (_scaled_mm_ok(dev) or self._kernels_on_cpu):
+            return "gemv"
+        if backend == "scaled_mm" or _scaled_mm_ok(dev):
             return "scaled_mm"
         return "torch"
 
@@ -142,7 +152,11 @@ class Fp8Linear(Operator):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)                                # [M, K]
         bias = self.bias.to(x2.dtype) if self.bias is not None else None
-        if self.path() == "scaled_mm":
+        path = self.path(x2.shape[0])
+        if path == "gemv" and x2.shape[0] > 0:
+            from .kernels.fp8_triton import fp8_gemv
+            y = fp8_gemv(x2, self.weight, self.weight_scale, bias)
+        elif path == "scaled_mm":
             m = x2.shape[0]
             if m % 16:                  # cuBLASLt FP8 wants 16-aligned leading dimensions
                 x2 = F.pad(x2, (0, 0, 0, 16 - m % 16))
@@ -163,4 +177,8 @@ class Fp8Linear(Operator):
     def extra_repr(self) -> str:
         return (f"op=linear_fp8, in={self.in_features}, out={self.out_features}, scales=per-channel "
                 f"(blocks of {self.options.block_size} folded at load), bias={self.bias is not None}, "
-                f"path={self.path()}")
+                f"path={self._paths_label()}")
+
+    def _paths_label(self) -> str:
+        one, past = self.path(1), self.path(self.options.gemv_max_batch + 1)
+        return one if one == past else f"{one} at <= {self.options.gemv_max_batch} rows, {past} above"

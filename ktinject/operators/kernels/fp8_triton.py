@@ -1,0 +1,119 @@
+"""Decode GEMV of `linear_fp8`: y = (x @ W.T) * scale (+ bias) with W float8_e4m3fn [N, K] read as is.
+
+Why a GEMV next to `torch._scaled_mm`: at decode (1-16 rows) the scaled matmul needs the activations in
+fp8 too, so every call quantizes them per token first (an amax, a divide, a cast: several small
+kernels), and cuBLASLt's fp8 GEMM wants 16-aligned rows; measured 0.33-0.8x of a bf16 linear on the
+H200 (docs/gpu.md). This kernel keeps x in its own dtype and converts the weight instead: every e4m3
+value is exact in bf16, fp16 and fp32, so the only rounding is the weight's own (no activation
+quantization), and each weight byte is read once, half the bytes of a bf16 weight.
+
+* One row (`DOT` off): a program owns BLOCK_N rows and walks K in BLOCK_K steps; per step a
+  [BLOCK_N, BLOCK_K] tile of fp8 (16-byte loads along K) is widened to fp32 and multiplied with the
+  x slice, summed along K at the end of the row.
+* 2-16 rows (`DOT` on): the widened tile goes to `tl.dot` against x (rows padded to 16), in x's
+  dtype (fp32 x: IEEE fp32 dot).
+
+The per-row scale (block scales folded at load, see linear_fp8) and the bias are applied once at the end.
+No K split: a program reads whole rows; BLOCK_N shrinks for small N so that the grid still fills the GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_M = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+        # x: [M, K] bf16/fp16/fp32   w: fp8 e4m3 [N, K]   s: fp32 [N]   b: [N] in x's dtype   y: [M, N]
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        w_rows = w_ptr + tl.where(n_mask, offs_n, 0).to(tl.int64)[:, None] * K      # [BN, 1] (rows past N: row 0)
+        if DOT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+            if DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                            mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)            # [BM, BK]
+                if x.dtype == tl.float32:
+                    acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            else:
+                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)           # [BK]
+                acc2 += w.to(tl.float32) * x[None, :]
+        scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+        if DOT:
+            y = acc * scale[None, :]
+        else:
+            y = (tl.sum(acc2, axis=1) * scale)[None, :]                                  # [1, BN]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_m = offs_m if DOT else tl.arange(0, 1)
+        out_mask = (out_m < M)[:, None] & n_mask[None, :]
+        tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+    return fp8_gemv
+
+
+def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `m` rows of an [N, K] weight. Not yet tuned by measurement:
+    at one row a program reads up to 8 KiB of weight per step and keeps a [BLOCK_N, BLOCK_K] fp32 partial
+    (32 registers a thread at 16 x 512 over 8 warps); BLOCK_N shrinks so that small N still gives >= ~256
+    programs where it can (N = 576, DeepSeek-V3's kv_a_proj, gets 144 of 4 rows)."""
+    if m == 1:
+        block_n = 16
+        while block_n > 4 and -(-n // block_n) < 256:
+            block_n //= 2
+        block_k = 512 if k >= 512 else 256
+        return 1, block_n, block_k, 8 if block_n * block_k >= 8192 else 4
+    block_n = 32 if -(-n // 32) >= 256 else 16
+    return 16, block_n, 128, 4
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (x @ w.float().T) * scale (+ bias) for x [M <= 16, K] bf16/fp16/fp32, w float8_e4m3fn [N, K], scale
+    fp32 [N]; [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.dtype != torch.float8_e4m3fn or w.shape[1] != k or not w.is_contiguous():
+        raise ValueError(f"w must be a contiguous float8_e4m3fn [N, {k}], got {w.dtype} {list(w.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"the fp8 GEMV takes 1 to {MAX_M} rows, got {m}")
+    if scale.shape != (n,) or scale.dtype != torch.float32:
+        raise ValueError(f"scale must be fp32 [{n}], got {scale.dtype} {list(scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
+    if len({x.device, w.device, scale.device} | ({bias.device} if bias is not None else set())) != 1:
+        raise ValueError("x, the weight, its scales and the bias must be on one device")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bias = bias.to(x.dtype).contiguous() if bias is not None else None
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    block_m, block_n, block_k, warps = launch_config(m, n, k)
+    _kernel()[(-(-n // block_n),)](x, w, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
+                                   y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   DOT=m > 1, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+                                   num_warps=warps)
+    return y
