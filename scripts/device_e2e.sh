@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -170,6 +170,11 @@ if [[ $steps == *" int4 "* ]]; then   # linear_int4's GEMV kernels: their gpu te
   timeout -s KILL ${SWEEP_TIMEOUT:-380} python3 scripts/int4_sweep.py --quick --budget ${SWEEP_BUDGET:-300} \
     > "$OUT/int4_sweep.txt" 2>&1
   grep -v "^JSON" "$OUT/int4_sweep.txt" | tail -45
+fi
+if [[ $steps == *" fp8 "* ]]; then   # linear_fp8's gpu tests (scaled_mm and the fp8 GEMV), then bench_gpu's fp8 and int4
+  timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4
+  timeout -s KILL 300 python3 -m ktinject.bench_gpu --only fp8,int4 --out "$OUT" > "$OUT/bench_gpu.log" 2>&1
+  tail -3 "$OUT/bench_gpu.log"; cat "$OUT/bench_gpu.md" 2>/dev/null
 fi
 if [[ $steps == *" layer "* ]]; then   # streamed vs native CPU experts per prompt length (threshold choice)
   timeout 120 python3 -c "from ktinject.operators.streamed_experts import bench_layer as b; [print(r) for r in b()]" \
