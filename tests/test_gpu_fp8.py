@@ -124,6 +124,7 @@ def test_fp8_gemv_in_interpreter():
 def test_gemv_backend_off_cuda_and_options():
     mod = Fp8Linear.from_weight(torch.randn(16, 64), options=Fp8Options(backend="gemv"))
     assert mod.path(1) == "torch" and "path=torch" in repr(mod)     # no Triton GEMV on the CPU: the math
+    assert mod(torch.randn(2, 0, 64)).shape == (2, 0, 16)           # no rows: no dequantized weight either
     with pytest.raises(ValueError, match="gemv_max_batch"):
         Fp8Options(gemv_max_batch=17)
 

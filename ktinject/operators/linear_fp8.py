@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import LoadError, WeightError
 from ..weights import as_dense
 from .base import BuildContext, Operator
+from .kernels import triton_available
 from .registry import register
 
 FP8 = torch.float8_e4m3fn
@@ -141,7 +142,8 @@ class Fp8Linear(Operator):
         backend, dev = self.options.backend, self.weight.device
         if backend == "torch":
             return "torch"
-        if backend == "gemv" and rows <= self.options.gemv_max_batch and (_scaled_mm_ok(dev) or self._kernels_on_cpu):
+        if backend == "gemv" and rows <= self.options.gemv_max_batch and (_scaled_mm_ok(dev) or self._kernels_on_cpu) \
+                and triton_available():
             return "gemv"
         if backend == "scaled_mm" or _scaled_mm_ok(dev):
             return "scaled_mm"
@@ -153,7 +155,9 @@ class Fp8Linear(Operator):
         x2 = x.reshape(-1, self.in_features)                                # [M, K]
         bias = self.bias.to(x2.dtype) if self.bias is not None else None
         path = self.path(x2.shape[0])
-        if path == "gemv" and x2.shape[0] > 0:
+        if x2.shape[0] == 0:
+            y = x2.new_empty((0, self.out_features))
+        elif path == "gemv":
             from .kernels.fp8_triton import fp8_gemv
             y = fp8_gemv(x2, self.weight, self.weight_scale, bias)
         elif path == "scaled_mm":

@@ -70,14 +70,16 @@ def _tinygemm_fits(n: int, k: int, group: int) -> bool:
             and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
 
 
-def _wants_tinygemm(options: Int4Options, n: int, k: int, group: int, rows: Optional[int] = None) -> bool:
-    """Does an [N, K] weight keep a tinygemm copy (rows None), or run tinygemm for `rows` rows?"""
+def _wants_tinygemm(options: Int4Options, n: int, k: int, group: int, rows: Optional[int] = None,
+                    device: Any = None) -> bool:
+    """Does an [N, K] weight on `device` keep a tinygemm copy (rows None), or run tinygemm for `rows` rows?"""
     if options.backend not in ("auto", "tinygemm") or not _tinygemm_fits(n, k, group):
         return False
     if options.backend == "tinygemm":
         return True
-    from .kernels import int4_triton as T
-    faster = T.tinygemm_buckets(n, k)
+    from .kernels import int4_cuda, int4_triton as T
+    cuda_ok = device is not None and torch.device(device).type == "cuda" and int4_cuda.available(device)
+    faster = T.tinygemm_buckets(n, k, group, cuda_ok)
     if rows is None:
         return any(T.rows_bucket(r) in faster for r in ROWS_BUCKETS if r <= max(options.gemv_max_batch, 1))
     return T.rows_bucket(rows) in faster
@@ -138,7 +140,7 @@ class Int4Linear(Operator):
             from .kernels import int4_triton as T
             span = 8 * T.tiled_pack(n, k, g)
             total = n * (-(-k // span) * span) // 2 + 4 * n * ng          # tiled: K padded to whole tiles
-            if _wants_tinygemm(ctx.options, n, k, g):
+            if _wants_tinygemm(ctx.options, n, k, g, device=ctx.device):
                 total += n * k // 2 + 4 * n * ng                            # the tinygemm copy
         if original.bias is not None:
             total += n * (ctx.dtype or torch.float32).itemsize
@@ -171,7 +173,7 @@ class Int4Linear(Operator):
             packed = int4_pack.quantize(as_dense(w, torch.float32, work), g)
         packed = packed.to(dev)
         self.tg_weight = self.tg_scale_zero = None
-        if dev.type == "cuda" and _wants_tinygemm(self.options, n, k, g):
+        if dev.type == "cuda" and _wants_tinygemm(self.options, n, k, g, device=dev):
             self.tg_weight, self.tg_scale_zero = tinygemm_pack(packed)
         elif self.options.backend == "tinygemm":
             raise PlacementError(f"{name}: backend 'tinygemm' needs CUDA, K % 128 == 0 and group size in "
@@ -249,7 +251,8 @@ class Int4Linear(Operator):
             return "torch"
         if rows <= self.options.gemv_max_batch:
             if getattr(self, "tg_weight", None) is not None and dtype == torch.bfloat16 and \
-                    _wants_tinygemm(self.options, self.out_features, self.in_features, self.group_size, rows):
+                    _wants_tinygemm(self.options, self.out_features, self.in_features, self.group_size, rows,
+                                    self.qweight.device):
                 return "tinygemm"
             if not triton_available():
                 return "torch"

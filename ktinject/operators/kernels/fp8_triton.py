@@ -101,8 +101,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the fp8 GEMV takes 1 to {MAX_M} rows, got {m}")
-    if scale.shape != (n,) or scale.dtype != torch.float32:
-        raise ValueError(f"scale must be fp32 [{n}], got {scale.dtype} {list(scale.shape)}")
+    if scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"scale must be a contiguous fp32 [{n}], got {scale.dtype} {list(scale.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
     if len({x.device, w.device, scale.device} | ({bias.device} if bias is not None else set())) != 1:

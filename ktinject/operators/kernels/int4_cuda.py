@@ -574,7 +574,8 @@ def _compile_api():
 
 @functools.lru_cache(maxsize=None)
 def _binary(shape, device_index: int):
-    """The compiled kernel of `shape` (`CudaGemvShape` or `MmaShape`) on one GPU (NVRTC, once per process)."""
+    """The compiled kernel of `shape` (`CudaGemvShape`, `MmaShape` or `DiagShape`) on one GPU (NVRTC, once
+    per process)."""
     api = _compile_api()
     if api is None:
         raise RuntimeError("this torch has no torch.cuda._compile_kernel (NVRTC); the CUDA int4 GEMV needs torch >= 2.8")
@@ -585,7 +586,7 @@ def _binary(shape, device_index: int):
 
 
 def source(shape) -> str:
-    """The CUDA source of one binary (`CudaGemvShape` or `MmaShape`): its constants, then the kernel."""
+    """The CUDA source of one binary (`CudaGemvShape`, `MmaShape` or `DiagShape`): its constants, then the kernel."""
     if isinstance(shape, DiagShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
@@ -647,7 +648,7 @@ def unavailable_reason(device=None) -> str | None:
 
 
 def _self_test(idx: int) -> str | None:
-    """The three kernels on a small odd shape against the dequantized weight; None when they agree."""
+    """The three kernels on small odd shapes against the dequantized weight; None when they agree."""
     from . import int4_pack
     major, minor = torch.cuda.get_device_capability(idx)
     if major < 8:
@@ -655,20 +656,26 @@ def _self_test(idx: int) -> str | None:
     try:
         with torch.cuda.device(idx):
             g = torch.Generator(device="cpu").manual_seed(1)
-            w = torch.randn(96, 392, generator=g) * 0.05
-            for name, group, rows, run in (
-                    ("one-row", 64, 1, lambda x_, t_: gemv(x_, t_, None, rows_per_warp=2, warps=4, step_batch=1)),
-                    ("mma", 128, 3, lambda x_, t_: gemv_mma(x_, t_, None, warps=2, batch=2)),
-                    ("diag", 128, 2, lambda x_, t_: gemv_diag(x_, t_, None, warps=3, batch=2, ctas_per_sm=1))):
-                iw = int4_pack.quantize(w, group)
+            # diag twice: 2 rows on 4 steps (a partial super-step), and the lm_head's path, one row (16-step
+            # super-steps, half of A skipped) on 17 steps (a whole super-step and a partial one)
+            for name, (n, k), group, rows, run in (
+                    ("one-row", (96, 392), 64, 1,
+                     lambda x_, t_: gemv(x_, t_, None, rows_per_warp=2, warps=4, step_batch=1)),
+                    ("mma", (96, 392), 128, 3, lambda x_, t_: gemv_mma(x_, t_, None, warps=2, batch=2)),
+                    ("diag", (96, 392), 128, 2,
+                     lambda x_, t_: gemv_diag(x_, t_, None, warps=3, batch=2, ctas_per_sm=1)),
+                    ("diag one-row", (40, 2176), 128, 1,
+                     lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1))):
+                iw = int4_pack.quantize(torch.randn(n, k, generator=g) * 0.05, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
-                x = torch.randn(rows, 392, generator=g).to(f"cuda:{idx}", torch.bfloat16)
+                x = torch.randn(rows, k, generator=g).to(f"cuda:{idx}", torch.bfloat16)
                 ref = x.float() @ int4_pack.dequantize(iw, torch.float32).to(x.device).T
                 y = run(x, tw)
                 torch.cuda.synchronize()
                 err = ((y.float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:
-                    return f"self-test mismatch ({name} kernel, relative error {err:.3g})"
+                worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                if not (err < 1e-2 and worst < 3e-2):
+                    return f"self-test mismatch ({name} kernel, relative error {err:.3g}, worst {worst:.3g})"
         return None
     except Exception as exc:                                          # noqa: BLE001 - reported by doctor
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]

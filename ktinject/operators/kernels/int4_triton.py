@@ -837,7 +837,7 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     (102400, 2048, 128, 1): TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),   # 40.4-41.8 / 117.5-129.7 / 61.8-64.4
     (102400, 2048, 128, 4): TiledConfig("diag", block_n=32, num_warps=4, chunk=2, ctas=4, pack=16),   # 66.8-71.4 / 105.0-117.8 / 84.6-86.1
     (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
-    (21888, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=2, pack=16),   # 12.5-12.9 / 25.1-26.4 / 15.2-15.7
+    (21888, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=2, pack=16),   # 12.3-12.9 / 25.1-26.4 / 15.2-15.7
     (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.9 / 16.9-17.9 / rejects K
     (10944, 2048, 128, 1): TiledConfig("diag", block_n=88, num_warps=11, chunk=4, ctas=2, pack=16),   # 7.9-8.4 / 14.2-15.7 / 8.9-9.2
     (7168, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=8, ctas=2, pack=16),   # 6.8-7.2 / 10.2-10.8 / 6.6-7.1
@@ -871,8 +871,9 @@ CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
 ]
 
 # The CUDA class: the tensor-core kernel `diag` won every measured one- and four-row shape from 45 MB of
-# bf16 up (10944, 21888 and 102400 rows of 2048 inputs); it falls back to the Triton class above where
-# NVRTC is missing. Taller K was not measured with it (a longer super-step loop), so it holds to K <= 2048.
+# bf16 up (10944, 21888 and 102400 rows of 2048 inputs; the 4-row config was measured on the lm_head
+# only); it falls back to the Triton class above where NVRTC is missing, and needs groups of >= 128.
+# Taller K was not measured with it (a longer super-step loop), so it holds to K <= 2048.
 CUDA_CLASS = {1: TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),
               4: TiledConfig("diag", block_n=32, num_warps=4, chunk=2, ctas=4, pack=16)}
 CUDA_CLASS_MIN_MB = 40.0
@@ -883,17 +884,19 @@ CUDA_CLASS_MAX_K = 2048
 TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps)
     (2048, 2048): {1, 4}, (3072, 2048): {1}, (4096, 2048): {1}, (4096, 4096): {1},
     (7168, 2048): {1},           # (a tie: tinygemm won two of three runs)
-    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row
-}
+    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row (from
+}                                # 40 MB, K <= 2048 and group >= 128 the CUDA class runs instead: see above)
 
 
-def tinygemm_buckets(n: int, k: int) -> set:
-    """Rows buckets in which tinygemm runs for an [N, K] weight under backend auto (exact shape first)."""
+def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = True) -> set:
+    """Rows buckets in which tinygemm runs for an [N, K] weight of `group` under backend auto (exact shape
+    first). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
+    there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...)."""
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
         return set(hit)
-    # (a class entry never covers a bucket of the CUDA class: the tensor-core kernel beat tinygemm there)
-    return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ()) if cuda_class_config(b, n, k) is None}
+    return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ())
+            if not (cuda_ok and cuda_class_config(b, n, k, group) is not None)}
 
 
 def rows_bucket(m: int) -> int:
@@ -913,17 +916,20 @@ def class_config(m: int, n: int, k: int) -> TiledConfig:
     return next(c for lim, c in CLASS_CONFIGS if lim == limit)[rows_bucket(m)]
 
 
-def cuda_class_config(m: int, n: int, k: int) -> TiledConfig | None:
-    """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class)."""
+def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> TiledConfig | None:
+    """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class):
+    None too where the group is smaller than a tile (8 x pack inputs), which the tensor-core kernels refuse."""
     if k <= CUDA_CLASS_MAX_K and n * k * 2 / 1e6 >= CUDA_CLASS_MIN_MB:
-        return CUDA_CLASS.get(rows_bucket(m))
+        cfg = CUDA_CLASS.get(rows_bucket(m))
+        if cfg is not None and (group is None or group >= min(k, 8 * cfg.pack)):
+            return cfg
     return None
 
 
 def tiled_config(m: int, n: int, k: int, group: int) -> TiledConfig:
     """The launch config for `m` rows on an [N, K] weight: the exact tuned shape, else its class (the CUDA
     class where it holds one; where the CUDA kernels cannot run, the dispatcher takes the Triton class)."""
-    return TUNED.get((n, k, group, rows_bucket(m))) or cuda_class_config(m, n, k) or class_config(m, n, k)
+    return TUNED.get((n, k, group, rows_bucket(m))) or cuda_class_config(m, n, k, group) or class_config(m, n, k)
 
 
 def tiled_pack(n: int, k: int, group: int) -> int:
