@@ -363,6 +363,23 @@ def test_gpu_cuda_gemv_matches_reference(n, k, group, pack, rpw, warps, batch, d
     assert torch.equal(y, int4_cuda.gemv(x, tw, b, rows_per_warp=rpw, warps=warps, step_batch=batch))
 
 
+def _check_tensor_core_gemv(run, n, k, group, pack, rows, dtype, bias):
+    """run(x, tiled weight, bias) against the dequantized weight: dtype, shape, SQNR, every output, and the
+    same bits on a second call."""
+    from ktinject.operators.kernels import int4_cuda
+    assert int4_cuda.available(), int4_cuda.unavailable_reason()
+    torch.manual_seed(0)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group)
+    tw = P.tile(iw, pack)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    ref = x.float() @ P.dequantize(iw).T + (b.float() if bias else 0)
+    y = run(x, tw, b)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert sqnr(ref, y.float()) > 40 and (y.float() - ref).abs().max() < 1e-2 * ref.abs().max()   # (every output)
+    assert torch.equal(y, run(x, tw, b))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,group,pack,rows,warps,batch,ctas", [
     (2048, 2048, 128, 16, 1, 4, 2, 0), (1000, 1088, 128, 16, 3, 4, 1, 0), (2048, 10944, 256, 32, 1, 4, 4, 2),
@@ -373,17 +390,8 @@ def test_gpu_mma_gemv_matches_reference(n, k, group, pack, rows, warps, batch, c
     """The tensor-core kernel: K padding, rows 1..16 (both halves of the mma's rows), per channel, pack 16/32,
     groups spanning tiles, a persistent grid, rows past N, 80 KiB of staged x, bf16 and fp16, bias."""
     from ktinject.operators.kernels import int4_cuda
-    assert int4_cuda.available(), int4_cuda.unavailable_reason()
-    torch.manual_seed(0)
-    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group)
-    tw = P.tile(iw, pack)
-    x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    ref = x.float() @ P.dequantize(iw).T + (b.float() if bias else 0)
-    y = int4_cuda.gemv_mma(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    assert sqnr(ref, y.float()) > 40 and (y.float() - ref).abs().max() < 1e-2 * ref.abs().max()   # (every output)
-    assert torch.equal(y, int4_cuda.gemv_mma(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas))
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_mma(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas),
+                            n, k, group, pack, rows, dtype, bias)
     g32 = P.tile(P.quantize(torch.randn(64, 512, device="cuda"), 32), 16)
     assert "one scale group per tile" in int4_cuda.mma_fits(g32, 1)
     with pytest.raises(ValueError, match="one scale group"):
@@ -401,17 +409,8 @@ def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, 
     """The super-step tensor-core kernel (ktk_int4_diag): rows 1..16 (super-steps of 16 down to 1 step), a
     partial last super-step (9 and 86 steps), K padding, per channel, pack 16/32, persistent grids."""
     from ktinject.operators.kernels import int4_cuda
-    assert int4_cuda.available(), int4_cuda.unavailable_reason()
-    torch.manual_seed(0)
-    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group)
-    tw = P.tile(iw, pack)
-    x = torch.randn(rows, k, device="cuda", dtype=dtype)
-    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    ref = x.float() @ P.dequantize(iw).T + (b.float() if bias else 0)
-    y = int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    assert sqnr(ref, y.float()) > 40 and (y.float() - ref).abs().max() < 1e-2 * ref.abs().max()   # (every output)
-    assert torch.equal(y, int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas))
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas),
+                            n, k, group, pack, rows, dtype, bias)
 
 
 @pytest.mark.gpu

@@ -186,7 +186,8 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 }
 """
 
-_MMA_SOURCE = _PRELUDE + r"""
+# the tensor-core kernels' shared part: the nibble-pair constant and the m16n8k16 mma
+_TC_PRELUDE = _PRELUDE + r"""
 #define NB (NSTEP / V)                               // load batches per 8-row tile (NSTEP % V == 0)
 #if XBF16
 #define MAGIC 0x43004300u                            // bf16 128 + q: exact (spacing 1 on [128, 256))
@@ -207,6 +208,9 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
 }
+"""
+
+_MMA_SOURCE = _TC_PRELUDE + r"""
 
 // One warp computes 8 output rows (an "n tile") for up to 16 rows of x with tensor cores. Lane L = 4 g + c
 // reads the 16 bytes at words 16 s + 4 c .. +3 of row 8 nt + g for every step s of 16 words (the 4 lanes
@@ -348,27 +352,8 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
 }
 """
 
-_DIAG_SOURCE = _PRELUDE + r"""
-#define NB (NSTEP / V)
+_DIAG_SOURCE = _TC_PRELUDE + r"""
 #define GS (16 / MR)                                 // steps per super-step: A row r = m * GS + j
-#if XBF16
-#define MAGIC 0x43004300u
-#define MAGIC_V 128.f
-#else
-#define MAGIC 0x64006400u
-#define MAGIC_V 1024.f
-#endif
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if XBF16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
 
 // As ktk_int4_mma, but the 16 rows of the mma's A are (x row m, step j of a super-step of GS = 16 / MR
 // steps): A row m * GS + j holds x row m on the mma of step j and zeros on the others, so D row
