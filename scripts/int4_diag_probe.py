@@ -1,6 +1,7 @@
 """Where the tensor-core int4 GEMV (ktk_int4_diag) spends its time on the lm_head (102400 x 2048): each launch
 config as it is and with the unpacking and mma removed (NOMATH: the weight loads and the loop only), next to
-the HBM read roofline. Development aid, on a CUDA machine: python3 scripts/int4_diag_probe.py"""
+the HBM read roofline; `ring` > 0: the weights through the cp.async ring of that depth. Development aid, on a
+CUDA machine: python3 scripts/int4_diag_probe.py"""
 from __future__ import annotations
 
 import os
@@ -14,14 +15,15 @@ from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E
 from ktinject.operators.kernels.int4_triton import tiled_groups  # noqa: E402
 
 
-def run_diag(x, w, out, warps, batch, ctas, nomath):
+def run_diag(x, w, out, warps, batch, ctas, nomath, stages=0):
     n, kw = w.qweight.shape
     idx = C.device_index(x.device)
-    shape = C.DiagShape(w.pack, kw // 16, batch, warps, True, False, 1, nomath)
+    stages = C.diag_stages(stages, kw // 16, batch)
+    shape = C.DiagShape(w.pack, kw // 16, batch, warps, True, False, 1, nomath, stages)
     blocks = -(-(-(-n // 8)) // warps)
     if ctas:
         blocks = min(blocks, ctas * torch.cuda.get_device_properties(idx).multi_processor_count)
-    C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw),
+    C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw, warps, stages, batch),
               [x, w.qweight, w.scales, w.mins, w.scales, out, n, x.shape[1], kw, tiled_groups(w)[1],
                int(w.scales.shape[0]), 1, x.stride(0), out.stride(0)])
 
@@ -36,19 +38,19 @@ def main() -> int:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ P.dequantize(iw).T
-    configs = [(10, 4, 2), (8, 8, 2), (4, 8, 4), (7, 8, 2), (8, 4, 2)]
-    for warps, batch, ctas in configs:
-        line = f"w{warps:<3} V{batch:<3} ctas{ctas}"
+    configs = [(10, 4, 2, 0), (10, 4, 2, 2), (10, 4, 2, 4), (8, 8, 2, 2), (8, 4, 2, 4), (4, 4, 4, 4), (16, 4, 1, 4)]
+    for warps, batch, ctas, stages in configs:
+        line = f"w{warps:<3} V{batch:<3} ctas{ctas} ring{stages}"
         for nomath in (False, True):
             try:
-                run_diag(x, copies[0], out, warps, batch, ctas, nomath)
+                run_diag(x, copies[0], out, warps, batch, ctas, nomath, stages)
                 torch.cuda.synchronize()
                 if not nomath:
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     if not err < 1e-2:
                         line += f"  wrong (rel err {err:.2g})"
                         break
-                t = graph_time([lambda w=w: run_diag(x, w, out, warps, batch, ctas, nomath) for w in copies], 15)
+                t = graph_time([lambda w=w: run_diag(x, w, out, warps, batch, ctas, nomath, stages) for w in copies], 15)
                 line += f"  {'nomath' if nomath else 'diag  '} {t * 1e6:6.1f} us {wbytes / t / 1e9:5.0f} GB/s " \
                         f"{wbytes / t / roof:.2f}"
             except Exception as exc:                           # noqa: BLE001 - a probe: report and go on

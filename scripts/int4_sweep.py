@@ -71,6 +71,12 @@ def grid_for(m: int, quick: bool):
                      c("diag", 16, 56, 7, chunk=4), c("diag", 16, 56, 7, chunk=2), c("diag", 16, 88, 11, chunk=4),
                      c("diag", 16, 48, 6, chunk=4), c("diag", 16, 40, 5, chunk=2)]   # (one round on smaller N)
     diag = diag[:4] + diag_balanced + diag[4:] if os.environ.get("SWEEP_DIAG_WIDE") else diag
+    # the cp.async ring (stages >= 2): 512 contiguous bytes a copy instead of 64-byte pieces of 8 rows
+    ring = [c("diag", 16, 80, 10, 4, chunk=4, ctas=2), c("diag", 16, 80, 10, 2, chunk=4, ctas=2),
+            c("diag", 16, 64, 8, 2, chunk=8, ctas=2), c("diag", 16, 64, 8, 4, chunk=4, ctas=2),
+            c("diag", 16, 32, 4, 4, chunk=4, ctas=4), c("diag", 16, 64, 8, 4, chunk=2), c("diag", 16, 56, 7, 4, chunk=4, ctas=2),
+            c("diag", 16, 128, 16, 2, chunk=4, ctas=1)]
+    diag = ring + diag if os.environ.get("SWEEP_DIAG_RING") else diag
     skip = set(filter(None, os.environ.get("SWEEP_SKIP_MODES", "").split(",")))   # e.g. diag, after a failed test
     diag, mma, cuda, rows = ([x for x in lst if x[0] not in skip] for lst in (diag, mma, cuda, rows))
     rows = diag + mma + cuda + rows if m == 1 else diag[:4] + mma[:4] + rows[:3] if m <= 4 else diag[:4] + mma[:4]

@@ -404,12 +404,14 @@ def test_gpu_mma_gemv_matches_reference(n, k, group, pack, rows, warps, batch, c
     (1024, 2048, 256, 32, 16, 8, 2, 0), (1536, 2048, -1, 16, 9, 4, 1, 1), (777, 392, 128, 16, 8, 2, 2, 0),
     (102400, 2048, 128, 16, 1, 8, 2, 4), (300, 20480, 128, 16, 2, 4, 8, 0), (500, 2048, 128, 16, 5, 4, 2, 0),
     (5000, 2048, 128, 16, 1, 7, 4, 2), (6000, 2048, 128, 16, 2, 10, 4, 2)])
-@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
-def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, ctas, dtype, bias):
+@pytest.mark.parametrize("dtype,bias,stages", [(torch.bfloat16, True, 0), (torch.float16, False, 0),
+                                               (torch.bfloat16, False, 2), (torch.float16, True, 4)])
+def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, ctas, dtype, bias, stages):
     """The super-step tensor-core kernel (ktk_int4_diag): rows 1..16 (super-steps of 16 down to 1 step), a
     partial last super-step (9 and 86 steps), K padding, per channel, pack 16/32, persistent grids."""
     from ktinject.operators.kernels import int4_cuda
-    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas),
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_diag(x, tw, b, warps=warps, batch=batch, ctas_per_sm=ctas,
+                                                                 stages=stages),
                             n, k, group, pack, rows, dtype, bias)
 
 

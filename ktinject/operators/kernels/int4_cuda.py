@@ -355,6 +355,27 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
 _DIAG_SOURCE = _TC_PRELUDE + r"""
 #define GS (16 / MR)                                 // steps per super-step: A row r = m * GS + j
 
+#if CPA
+#define RP (4 * V + ((V & 1) ? 0 : 4))               // ring row pitch in 16-byte quads (== 4 mod 8: no bank conflicts)
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(src));
+}
+// one stage: batch b (V steps, 4V quads a row) of the 8 rows of tile `tile` into a ring slot [8][RP]; lane l
+// copies quads l, l + 32, ...: each instruction covers 512 contiguous bytes of one or more whole row runs
+__device__ __forceinline__ void issue_stage(uint4* slot, const uint4* __restrict__ qw, int tile, int b, int N,
+                                            int KQ, int n_tiles, int lane) {
+    if (tile < n_tiles) {
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            const int q = i * 32 + lane, r = q / (4 * V), col = q - r * (4 * V);
+            cp_async16(slot + r * RP + col, qw + (size_t)min(tile * 8 + r, N - 1) * KQ + b * 4 * V + col);
+        }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);   // (an empty group past the last tile keeps the count)
+}
+#endif
+
 // As ktk_int4_mma, but the 16 rows of the mma's A are (x row m, step j of a super-step of GS = 16 / MR
 // steps): A row m * GS + j holds x row m on the mma of step j and zeros on the others, so D row
 // m * GS + j collects step j's sum for x row m and the 8 rows of the tile, across the whole super-step,
@@ -370,18 +391,27 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     u32* xp = smem;                                  // [M][KWP] x pairs, then 64 + 8 zero words
     u32* zero = smem + M * KWP;
     float* xsum = (float*)(zero + 72);               // [M][NSTEP]
+#if CPA   // weights through a per-warp ring of CPA stages in shared memory (cp.async), after xsum (16-byte aligned)
+    uint4* ring = (uint4*)(smem + ((M * KWP + 72 + M * NSTEP + 3) & ~3)) + (threadIdx.x >> 5) * (CPA * 8 * RP);
+#endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int KQ = KW / 4;
     const int n_tiles = (N + 7) / 8;
     int nt = blockIdx.x * WARPS + warp;
     const int nt_step = gridDim.x * WARPS;
 
+#if CPA
+#pragma unroll
+    for (int s = 0; s < CPA - 1; s++)                // prologue: stages 0 .. CPA - 2 (NB % CPA == 0: slot = b % CPA)
+        issue_stage(ring + s * 8 * RP, qw, nt + (s / NB) * nt_step, s % NB, N, KQ, n_tiles, lane);
+#else
     uint4 wcur[V];
     {
         const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
 #pragma unroll
         for (int v = 0; v < V; v++) wcur[v] = nt < n_tiles ? ld_stream(wp + 4 * v) : make_uint4(0, 0, 0, 0);
     }
+#endif
     for (int i = tid; i < 72; i += NT) zero[i] = 0u;
     for (int m = 0; m < M; m++) {
         const u16* xm = x + (size_t)m * stride_xm;
@@ -420,8 +450,10 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     const u32* zrow = zero + lo;                     // zeros for every word of a step (lo + 15 < 72)
     while (nt < n_tiles) {
         const int nt_next = nt + nt_step;
+#if !CPA
         const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
         const uint4* wpn = qw + (size_t)min(nt_next * 8 + g, N - 1) * KQ + c;
+#endif
         const int n0 = nt * 8 + 2 * c;
         const u16* sc0 = sc + min(n0, N - 1);
         const u16* sc1 = sc + min(n0 + 1, N - 1);
@@ -432,12 +464,23 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
         u32 ssA = 0u, smA = 0u, ssB = 0u, smB = 0u;  // scale and min pairs (n0, n0 + 1) of the lane's two steps
 #pragma unroll UNROLL_B
         for (int b = 0; b < NB; b++) {
+#if CPA   // stage b of this tile has landed (all but the CPA - 2 newest groups); the warp sees every lane's
+          // copies; the slot read one stage ago is free again: refill it with the stage CPA - 1 ahead
+            asm volatile("cp.async.wait_group %0;\n" :: "n"(CPA - 2));
+            __syncwarp();
+            {
+                const int b2 = b + CPA - 1;
+                issue_stage(ring + (b2 % CPA) * 8 * RP, qw, nt + (b2 / NB) * nt_step, b2 % NB, N, KQ, n_tiles, lane);
+            }
+            const uint4* cur = ring + (b % CPA) * 8 * RP + g * RP + c;
+#else
             uint4 wnext[V];
 #pragma unroll
             for (int v = 0; v < V; v++) {
                 if (b + 1 < NB) wnext[v] = ld_stream(wp + 4 * ((b + 1) * V + v));
                 else wnext[v] = nt_next < n_tiles ? ld_stream(wpn + 4 * v) : make_uint4(0, 0, 0, 0);
             }
+#endif
 #pragma unroll
             for (int v = 0; v < V; v++) {
                 const int st = b * V + v, j = st % GS;
@@ -457,7 +500,12 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                 // one x row (GS 16): A rows 0-7 are steps 0-7 and rows 8-15 steps 8-15, so on steps 0-7 every
                 // lane's second A row is zero and on steps 8-15 its first: no shared load for that half
                 const bool needA = GS < 16 || j < 8, needB = GS < 16 || j >= 8;
+#if CPA
+                const uint4 wq = cur[4 * v];
+                const u32 wv[4] = {wq.x, wq.y, wq.z, wq.w};
+#else
                 const u32 wv[4] = {wcur[v].x, wcur[v].y, wcur[v].z, wcur[v].w};
+#endif
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
                     const u32 w = wv[u];
@@ -490,8 +538,10 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                     for (int i = 0; i < 4; i++) { d[i] = 0.f; e[i] = 0.f; }
                 }
             }
+#if !CPA
 #pragma unroll
             for (int v = 0; v < V; v++) wcur[v] = wnext[v];
+#endif
         }
         // add up the lanes of one x row: those with the same m (g differs in its step bits)
 #if GS == 16
@@ -523,6 +573,9 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
         }
         nt = nt_next;
     }
+#if CPA
+    asm volatile("cp.async.wait_all;\n" ::);
+#endif
 }
 """
 
@@ -575,7 +628,8 @@ def source(shape) -> str:
     if isinstance(shape, DiagShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath)}
+                  "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath),
+                  "CPA": shape.stages}
         body = _DIAG_SOURCE
     elif isinstance(shape, MmaShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
@@ -806,8 +860,26 @@ def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int
     return out
 
 
-def diag_shared_bytes(m: int, kw: int) -> int:
-    return (m * (kw * 4 + (kw // 8) * 4) + 72 + m * (kw // 16)) * 4
+def diag_shared_bytes(m: int, kw: int, warps: int = 0, stages: int = 0, batch: int = 0) -> int:
+    """Shared memory of ktk_int4_diag: x pairs, zeros and step sums, then (stages > 0) each warp's cp.async
+    ring of `stages` x 8 rows x `ring_pitch(batch)` quads."""
+    head = (m * (kw * 4 + (kw // 8) * 4) + 72 + m * (kw // 16)) * 4
+    return head if not stages else (head + 15) // 16 * 16 + warps * stages * 8 * ring_pitch(batch) * 16
+
+
+def ring_pitch(batch: int) -> int:
+    """Quads a row of the cp.async ring holds: its 4 x batch, padded to 4 mod 8 (the kernel's RP)."""
+    return 4 * batch + (0 if batch & 1 else 4)
+
+
+def diag_stages(stages: int, steps: int, batch: int) -> int:
+    """The cp.async ring depth the kernel can take: a divisor of the batches a row (so a slot is a batch
+    index mod the depth) of at least 2, at most `stages`; 0 (weights through registers) where none is."""
+    nb = steps // batch
+    for s in range(min(stages, nb), 1, -1):
+        if nb % s == 0:
+            return s
+    return 0
 
 
 @dataclass(frozen=True)
@@ -820,31 +892,37 @@ class DiagShape:
     bias: bool
     mr: int               # rows of x rounded up to 1, 2, 4, 8 or 16
     nomath: bool = False  # (scripts/int4_diag_probe.py: loads and loop only, no unpacking or mma)
+    stages: int = 0       # weights through a cp.async ring of this many stages in shared memory (0: registers)
 
 
 def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int = 4, batch: int = 2,
-              ctas_per_sm: int = 0) -> torch.Tensor:
-    """As `gemv_mma`, with the scale corrections once per super-step of 16 / rows steps (ktk_int4_diag)."""
+              ctas_per_sm: int = 0, stages: int = 0) -> torch.Tensor:
+    """As `gemv_mma`, with the scale corrections once per super-step of 16 / rows steps (ktk_int4_diag).
+    `stages` >= 2: the weights go through a per-warp cp.async ring in shared memory of that depth (each copy
+    512 contiguous bytes) instead of registers (each load 64 bytes of 8 rows)."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
     if warps < 1:
         raise ValueError(f"warps must be >= 1, got {warps}")
     x, bias, idx = _checked(x, w, bias)
-    why = mma_fits(w, m, idx) or (None if diag_shared_bytes(m, kw) <= smem_limit(idx) else "x does not fit")
-    if why:
-        raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
     steps = kw // 16
     batch = max(1, min(batch, steps))
     while steps % batch:
         batch -= 1
+    stages = diag_stages(stages, steps, batch)
+    smem = diag_shared_bytes(m, kw, warps, stages, batch)
+    why = mma_fits(w, m, idx) or (None if smem <= smem_limit(idx) else
+                                  f"x and the weight ring ({smem} bytes) do not fit in shared memory")
+    if why:
+        raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
     shape = DiagShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None,
-                      1 << max(m - 1, 0).bit_length())
+                      1 << max(m - 1, 0).bit_length(), False, stages)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     blocks = -(-(-(-n // 8)) // warps)
     if ctas_per_sm > 0:
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
-    _launch(shape, idx, blocks, warps, diag_shared_bytes(m, kw),
+    _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
              n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
     return out

@@ -291,6 +291,7 @@ class TiledConfig:
     block_n: int = 64               # rows per program
     num_warps: int = 4
     num_stages: int = 1             # (Triton does not software-pipeline this loop: stages change nothing)
+    #                                 mode diag: >= 2 sends the weights through a cp.async ring this deep
     target_programs: int = 1056     # split K until the grid holds about this many programs (8 per SM)
     split: int = 0                  # fixed K split instead (0: from target_programs)
     pack: int = 16                  # P of the weight layout this config was tuned for (16 or 32)
@@ -734,8 +735,10 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
             if cfg.mode == "cuda":
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
-            run = int4_cuda.gemv_mma if cfg.mode == "mma" else int4_cuda.gemv_diag
-            return run(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
+            if cfg.mode == "diag":
+                return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
+                                           stages=cfg.num_stages if cfg.num_stages > 1 else 0)
+            return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
         cfg = class_config(m, n, k)                # no NVRTC here (doctor says why), or not this shape: Triton
         if cfg.mode in ("dot", "dot_x") and x.dtype not in (torch.bfloat16, torch.float16) and m <= 4:
             cfg = replace(cfg, mode="fma")         # (tensor cores need half activations)
