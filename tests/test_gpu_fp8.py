@@ -68,8 +68,8 @@ def test_dense_source_and_errors():
 def test_gpu_scaled_mm_matches_math(rows):
     q, s = fp8_checkpoint(2048, 1536)
     ref_w = dequantize_blockwise(q, s, 128).cuda()
-    mod = Fp8Linear.from_weight(q, None, s, device="cuda", dtype=torch.bfloat16)
-    assert mod.path() == "scaled_mm"
+    mod = Fp8Linear.from_weight(q, None, s, options=Fp8Options(backend="scaled_mm"), device="cuda", dtype=torch.bfloat16)
+    assert mod.path(rows) == "scaled_mm"
     x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
     got = mod(x).float()
     assert sqnr(F.linear(x.float(), ref_w), got) > 22
@@ -133,13 +133,14 @@ def test_gemv_backend_off_cuda_and_options():
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("shape", [(2048, 1536), (576, 7168), (18432, 7168)])
 def test_gpu_fp8_gemv_matches_math(rows, shape):
-    """backend gemv on the H200: the fp8 GEMV against the dequantized block checkpoint, in a CUDA graph too."""
+    """backend auto on the H200: the fp8 GEMV (1-16 rows) against the dequantized block checkpoint, in a CUDA
+    graph too."""
     n, k = shape
     q, s = fp8_checkpoint(n, k)
     ref_w = dequantize_blockwise(q, s, 128).cuda()
     bias = torch.randn(n)
-    mod = Fp8Linear.from_weight(q, bias, s, options=Fp8Options(backend="gemv"), device="cuda", dtype=torch.bfloat16)
-    assert mod.path(rows) == "gemv" and mod.path(17) == "scaled_mm"
+    mod = Fp8Linear.from_weight(q, bias, s, device="cuda", dtype=torch.bfloat16)
+    assert mod.path(rows) == "gemv" and mod.path(17) == "scaled_mm" and "gemv at <= 16 rows, scaled_mm above" in repr(mod)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     got = mod(x)
     assert sqnr(F.linear(x.float(), ref_w, bias.cuda()), got.float()) > 25   # (no activation rounding here)

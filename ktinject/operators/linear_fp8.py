@@ -5,10 +5,11 @@ Weights come from DeepSeek-V3-style FP8 safetensors (`weight`: float8_e4m3fn [N,
 dense weight. They are stored as e4m3 with one fp32 scale per output channel (block scales
 are folded in at load: dequantize, then requantize per row), because row-wise scaling is the
 form `torch._scaled_mm` runs on every Hopper build; activations are quantized per token at
-run time. Paths (in `extra_repr`): `scaled_mm` on CUDA devices of compute capability >= 8.9,
-`torch` (dequantize + matmul) elsewhere, so CI checks the math on the CPU. With `backend: gemv`,
-up to `gemv_max_batch` rows take `kernels/fp8_triton.fp8_gemv` instead (the weight widened in the
-kernel, x kept in its dtype: no per-token activation quantization); more rows take `scaled_mm`.
+run time. Paths (in `extra_repr`): on CUDA devices of compute capability >= 8.9 with Triton, up to
+`gemv_max_batch` rows take `kernels/fp8_triton.fp8_gemv` (the weight widened in the kernel, x kept
+in its dtype: no per-token activation quantization; measured faster than `scaled_mm` at 1-16 rows
+on every shape timed, docs/gpu.md) and more rows `scaled_mm`; elsewhere `torch` (dequantize +
+matmul), so CI checks the math on the CPU. `backend` forces one of them.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ BACKENDS = ("auto", "scaled_mm", "gemv", "torch")
 @dataclass(frozen=True)
 class Fp8Options:
     block_size: int = 128           # block edge of `weight_scale_inv` in FP8 checkpoints
-    backend: str = "auto"           # auto: scaled_mm on sm_89+, else torch | scaled_mm | gemv | torch
-    gemv_max_batch: int = 16        # backend gemv: rows up to which the fp8 GEMV runs (1-16)
+    backend: str = "auto"           # auto: on sm_89+ gemv up to gemv_max_batch rows, scaled_mm above; else torch
+    gemv_max_batch: int = 16        # auto / gemv: rows up to which the fp8 GEMV runs (1-16)
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -142,8 +143,8 @@ class Fp8Linear(Operator):
         backend, dev = self.options.backend, self.weight.device
         if backend == "torch":
             return "torch"
-        if backend == "gemv" and rows <= self.options.gemv_max_batch and (_scaled_mm_ok(dev) or self._kernels_on_cpu) \
-                and triton_available():
+        if backend in ("auto", "gemv") and rows <= self.options.gemv_max_batch \
+                and (_scaled_mm_ok(dev) or (backend == "gemv" and self._kernels_on_cpu)) and triton_available():
             return "gemv"
         if backend == "scaled_mm" or _scaled_mm_ok(dev):
             return "scaled_mm"

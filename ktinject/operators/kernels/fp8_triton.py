@@ -76,18 +76,21 @@ def _kernel():
 
 
 def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `m` rows of an [N, K] weight. Not yet tuned by measurement:
-    at one row a program reads up to 8 KiB of weight per step and keeps a [BLOCK_N, BLOCK_K] fp32 partial
-    (32 registers a thread at 16 x 512 over 8 warps); BLOCK_N shrinks so that small N still gives >= ~256
-    programs where it can (N = 576, DeepSeek-V3's kv_a_proj, gets 144 of 4 rows)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `m` rows of an [N, K] weight. At one row a program reads up
+    to 8 KiB of weight per step and keeps a [BLOCK_N, BLOCK_K] fp32 partial (32 registers a thread at
+    16 x 512 over 8 warps); at 2-16 rows BLOCK_K is 256. Either way BLOCK_N shrinks until the grid has
+    >= ~256 programs where it can (first H200 run: 32 rows a program at 4096 x 4096 gave 128 programs and
+    2.3x the one-row time at 4 rows; N = 576, DeepSeek-V3's kv_a_proj, now gets 288 of 2 rows)."""
     if m == 1:
         block_n = 16
-        while block_n > 4 and -(-n // block_n) < 256:
+        while block_n > 2 and -(-n // block_n) < 256:
             block_n //= 2
         block_k = 512 if k >= 512 else 256
         return 1, block_n, block_k, 8 if block_n * block_k >= 8192 else 4
-    block_n = 32 if -(-n // 32) >= 256 else 16
-    return 16, block_n, 128, 4
+    block_n = 32
+    while block_n > 16 and -(-n // block_n) < 256:
+        block_n //= 2
+    return 16, block_n, 256 if k >= 256 else 128, 4
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -838,7 +838,7 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     # measured on the H200 on 2026-12-02 (scripts/int4_sweep.py --quick; diag: SWEEP_DIAG_WIDE=1, device runs
     # 1-7 of the tenth session): us ours / bf16 / tinygemm, a range where several runs measured the config
     (102400, 2048, 128, 1): TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),   # 40.4-41.8 / 117.5-129.7 / 61.8-64.4
-    (102400, 2048, 128, 4): TiledConfig("diag", block_n=32, num_warps=4, chunk=2, ctas=4, pack=16),   # 66.8-71.4 / 105.0-117.8 / 84.6-86.1
+    (102400, 2048, 128, 4): TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16),   # 58.6 / 113.1 / 85.8 (cp.async ring; 66.8-71.4 without)
     (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
     (21888, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=2, pack=16),   # 12.3-12.9 / 25.1-26.4 / 15.2-15.7
     (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.9 / 16.9-17.9 / rejects K
@@ -875,10 +875,10 @@ CLASS_CONFIGS: list[tuple[float, dict[int, TiledConfig]]] = [
 
 # The CUDA class: the tensor-core kernel `diag` won every measured one- and four-row shape from 45 MB of
 # bf16 up (10944, 21888 and 102400 rows of 2048 inputs; the 4-row config was measured on the lm_head
-# only); it falls back to the Triton class above where NVRTC is missing, and needs groups of >= 128.
+# only; since the eleventh session with a 2-deep cp.async ring, 58.6 vs 66.8-71.4 us); it falls back to the Triton class above where NVRTC is missing, and needs groups of >= 128.
 # Taller K was not measured with it (a longer super-step loop), so it holds to K <= 2048.
 CUDA_CLASS = {1: TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),
-              4: TiledConfig("diag", block_n=32, num_warps=4, chunk=2, ctas=4, pack=16)}
+              4: TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16)}
 CUDA_CLASS_MIN_MB = 40.0
 CUDA_CLASS_MAX_K = 2048
 
