@@ -36,12 +36,15 @@ class Fp8Options:
     block_size: int = 128           # block edge of `weight_scale_inv` in FP8 checkpoints
     backend: str = "auto"           # auto: on sm_89+ gemv up to gemv_max_batch rows, scaled_mm above; else torch
     gemv_max_batch: int = 16        # auto / gemv: rows up to which the fp8 GEMV runs (1-16)
+    gemv_split_k: int = 1           # the GEMV's K slices (1-16; > 1 for matrices of few rows, see fp8_triton)
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 1 <= self.gemv_max_batch <= 16:
             raise ValueError(f"gemv_max_batch must be 1 to 16, got {self.gemv_max_batch}")
+        if not 1 <= self.gemv_split_k <= 16:
+            raise ValueError(f"gemv_split_k must be 1 to 16, got {self.gemv_split_k}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
@@ -160,7 +163,7 @@ class Fp8Linear(Operator):
             y = x2.new_empty((0, self.out_features))
         elif path == "gemv":
             from .kernels.fp8_triton import fp8_gemv
-            y = fp8_gemv(x2, self.weight, self.weight_scale, bias)
+            y = fp8_gemv(x2, self.weight, self.weight_scale, bias, split_k=self.options.gemv_split_k)
         elif path == "scaled_mm":
             m = x2.shape[0]
             if m % 16:                  # cuBLASLt FP8 wants 16-aligned leading dimensions

@@ -14,7 +14,9 @@ quantization), and each weight byte is read once, half the bytes of a bf16 weigh
   dtype (fp32 x: IEEE fp32 dot).
 
 The per-row scale (block scales folded at load, see linear_fp8) and the bias are applied once at the end.
-No K split: a program reads whole rows; BLOCK_N shrinks for small N so that the grid still fills the GPU.
+By default a program reads whole rows; BLOCK_N shrinks for small N so that the grid still fills the GPU.
+`split_k` (opt-in, `linear_fp8`'s `gemv_split_k`) splits K as well, for matrices whose N is too small for
+that (DeepSeek-V3's 576-row kv_a_proj): the slices add fp32 partials with atomics, then one cast.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import functools
 import torch
 
 MAX_M = 16
+MAX_SPLIT = 16
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,11 +34,14 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    def fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, K_PER, stride_xm, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
-        # x: [M, K] bf16/fp16/fp32   w: fp8 e4m3 [N, K]   s: fp32 [N]   b: [N] in x's dtype   y: [M, N]
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+        # x: [M, K] bf16/fp16/fp32   w: fp8 e4m3 [N, K]   s: fp32 [N]   b: [N] in x's dtype
+        # y: [M, N] in x's dtype, or (SPLIT > 1) fp32 zeros that each K slice of K_PER inputs adds into
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_lo = tl.program_id(1) * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
         n_mask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         offs_m = tl.arange(0, BLOCK_M)
@@ -45,7 +51,7 @@ def _kernel():
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
@@ -67,10 +73,14 @@ def _kernel():
         else:
             y = (tl.sum(acc2, axis=1) * scale)[None, :]                                  # [1, BN]
         if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            y += b if SPLIT == 1 else tl.where(tl.program_id(1) == 0, b, 0.0)
         out_m = offs_m if DOT else tl.arange(0, 1)
         out_mask = (out_m < M)[:, None] & n_mask[None, :]
-        tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+        if SPLIT == 1:
+            tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.atomic_add(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask, sem="relaxed")
 
     return fp8_gemv
 
@@ -93,9 +103,11 @@ def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return 16, block_n, 256 if k >= 256 else 128, 4
 
 
-def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+             split_k: int = 1) -> torch.Tensor:
     """y = (x @ w.float().T) * scale (+ bias) for x [M <= 16, K] bf16/fp16/fp32, w float8_e4m3fn [N, K], scale
-    fp32 [N]; [M, N] in x's dtype."""
+    fp32 [N]; [M, N] in x's dtype. split_k > 1 splits K into that many slices of whole blocks, each adding its
+    partial into an fp32 buffer (more programs for a small N; the order of the additions varies run to run)."""
     m, k = x.shape
     n = w.shape[0]
     if w.dtype != torch.float8_e4m3fn or w.shape[1] != k or not w.is_contiguous():
@@ -112,11 +124,16 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
         raise ValueError("x, the weight, its scales and the bias must be on one device")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if not 1 <= split_k <= MAX_SPLIT:
+        raise ValueError(f"split_k must be 1 to {MAX_SPLIT}, got {split_k}")
     bias = bias.to(x.dtype).contiguous() if bias is not None else None
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     block_m, block_n, block_k, warps = launch_config(m, n, k)
-    _kernel()[(-(-n // block_n),)](x, w, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0),
-                                   y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   DOT=m > 1, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-                                   num_warps=warps)
-    return y
+    k_per = -(-k // (split_k * block_k)) * block_k                  # whole blocks a slice; the last may be shorter
+    split = -(-k // k_per)
+    y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if split > 1 else \
+        torch.empty((m, n), device=x.device, dtype=x.dtype)
+    _kernel()[(-(-n // block_n), split)](x, w, scale, bias if bias is not None else scale, y, m, n, k, k_per,
+                                         x.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                         BLOCK_K=block_k, DOT=m > 1, HAS_BIAS=bias is not None,
+                                         EVEN_K=k % block_k == 0, SPLIT=split, num_warps=warps)
+    return y.to(x.dtype) if split > 1 else y
