@@ -186,7 +186,7 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 }
 """
 
-# the tensor-core kernels' shared part: the nibble-pair constant and the m16n8k16 mma
+# the tensor-core kernels' shared part: the nibble-pair constant, the x-sum staging and the m16n8k16 mma
 _TC_PRELUDE = _PRELUDE + r"""
 #define NB (NSTEP / V)                               // load batches per 8-row tile (NSTEP % V == 0)
 #if XBF16
@@ -196,6 +196,27 @@ _TC_PRELUDE = _PRELUDE + r"""
 #define MAGIC 0x64006400u                            // fp16 1024 + q
 #define MAGIC_V 1024.f
 #endif
+
+// xsum[m * NSTEP + st] = the sum of x row m over the 128 inputs of step st (for the min term):
+// one warp per (row, step), 4 inputs a lane, then a warp sum
+__device__ __forceinline__ void stage_xsum(const u16* __restrict__ x, int stride_xm, int K, int M, float* xsum,
+                                           int warp, int lane) {
+    for (int i = warp; i < M * NSTEP; i += WARPS) {
+        const int m = i / NSTEP, st = i - m * NSTEP;
+        const int wc = st * 16 + (lane & 15), a = (lane >> 4) * 2;
+        const int t = wc / P, j = wc % P;
+        const u16* xm = x + (size_t)m * stride_xm;
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int k = t * 8 * P + (a + (e & 1) + (e >> 1) * 4) * P + j;
+            acc += k < K ? to_f32(xm[k]) : 0.f;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) xsum[i] = acc;
+    }
+}
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if XBF16
@@ -251,21 +272,7 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
         const u32 v0 = k0 < K ? xm[k0] : 0u, v1 = k1 < K ? xm[k1] : 0u;
         xp[m * KWP + wc * 4 + (wc >> 3) * 4 + a] = v0 | (v1 << 16);
     }
-    for (int i = warp; i < M * NSTEP; i += WARPS) {  // one warp per (row, step): 128 inputs, 4 a lane
-        const int m = i / NSTEP, st = i - m * NSTEP;
-        const int wc = st * 16 + (lane & 15), a = (lane >> 4) * 2;
-        const int t = wc / P, j = wc % P;
-        const u16* xm = x + (size_t)m * stride_xm;
-        float acc = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int k = t * 8 * P + (a + (e & 1) + (e >> 1) * 4) * P + j;
-            acc += k < K ? to_f32(xm[k]) : 0.f;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) xsum[i] = acc;
-    }
+    stage_xsum(x, stride_xm, K, M, xsum, warp, lane);
     __syncthreads();
 
     const bool arow0 = g < M;
@@ -425,21 +432,7 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
             }
         }
     }
-    for (int i = warp; i < M * NSTEP; i += WARPS) {
-        const int m = i / NSTEP, st = i - m * NSTEP;
-        const int wc = st * 16 + (lane & 15), a = (lane >> 4) * 2;
-        const int t = wc / P, j = wc % P;
-        const u16* xm = x + (size_t)m * stride_xm;
-        float acc = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int k = t * 8 * P + (a + (e & 1) + (e >> 1) * 4) * P + j;
-            acc += k < K ? to_f32(xm[k]) : 0.f;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) xsum[i] = acc;
-    }
+    stage_xsum(x, stride_xm, K, M, xsum, warp, lane);
     __syncthreads();
 
     // this lane's two A rows: r0 = g (x row mA, step jA of each super-step), r1 = g + 8 (mB, jB)
