@@ -149,9 +149,7 @@ def bench_int4(sweep: bool) -> list[dict]:
             wds = [wd] + [wd.clone() for _ in range(min(copies, max(1, math.ceil(L2_BYTES / (n * k * 2)))) - 1)]
             row["bf16_us"] = graph_time([lambda w_=w_: F.linear(x, w_) for w_ in wds]) * 1e6
             cfg = T.tiled_config(m, n, k, g)
-            mode = cfg.mode
-            if mode in ("cuda", "mma", "diag") and not T.cuda_mode_runs(cfg, tws[0], m, x.device, x.dtype):
-                mode = T.class_config(m, n, k).mode                            # (the dispatcher's fallback)
+            mode = T.runnable_config(cfg, tws[0], m, n, k, x.device, x.dtype).mode
             try:
                 y = T.int4_gemv_tiled(x, tws[0], None, cfg)                  # (compiles, before any capture)
                 row["ours_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
@@ -213,7 +211,7 @@ def bench_fp8() -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies = max(1, min(32, math.ceil(L2_BYTES / (n * k))))
         variants = {"scaled_mm": Fp8Options(backend="scaled_mm"), "gemv": Fp8Options(backend="gemv"),
-                    "gemv4": Fp8Options(backend="gemv", gemv_split_k=4)}
+                    "gemv4": Fp8Options(backend="gemv", gemv_split_k=4)}     # name -> options (backend: its path)
         mods = {b: [Fp8Linear.from_weight(w, options=o, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
                 for b, o in variants.items()}
         wds = [w] + [w.clone() for _ in range(max(1, math.ceil(L2_BYTES / (2 * n * k))) - 1)]
@@ -222,7 +220,7 @@ def bench_fp8() -> list[dict]:
             ref = F.linear(x.float(), w.float())
             row = {"shape": label, "batch": m, "bf16_us": graph_time([lambda w_=w_: F.linear(x, w_) for w_ in wds]) * 1e6}
             for b, ms in mods.items():
-                if ms[0].path(m) != b.rstrip("4"):
+                if ms[0].path(m) != variants[b].backend:      # (the GEMV runs up to 16 rows only)
                     continue
                 row[f"{b}_rel_err"] = ((ms[0](x).float() - ref).norm() / ref.norm()).item()
                 row[f"{b}_us"] = graph_time([lambda f=f: f(x) for f in ms]) * 1e6

@@ -299,11 +299,9 @@ class Int4Linear(Operator):
             return path
         from .kernels import int4_triton as T
         cfg = self._gemv_config(rows, torch.bfloat16)
-        mode = cfg.mode
-        if mode in ("cuda", "mma", "diag") and not T.cuda_mode_runs(cfg, self.weight_tiled, rows,
-                                                                   self.qweight.device, torch.bfloat16):
-            mode = T.class_config(rows, self.out_features, self.in_features).mode
-        return f"gemv({mode})"
+        run = T.runnable_config(cfg, self.weight_tiled, rows, self.out_features, self.in_features,
+                                self.qweight.device, torch.bfloat16)
+        return f"gemv({run.mode})"
 
     def extra_repr(self) -> str:
         dev = self.qweight.device.type

@@ -731,7 +731,8 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     if cfg.mode in ("cuda", "mma", "diag"):
         if cfg.mode == "cuda":
             _check_cuda_config(cfg)
-        if cuda_mode_runs(cfg, w, m, x.device, x.dtype):
+        run = runnable_config(cfg, w, m, n, k, x.device, x.dtype)
+        if run is cfg:
             if cfg.mode == "cuda":
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
@@ -739,9 +740,7 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
                 return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
                                            stages=cfg.num_stages if cfg.num_stages > 1 else 0)
             return int4_cuda.gemv_mma(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas)
-        cfg = class_config(m, n, k)                # no NVRTC here (doctor says why), or not this shape: Triton
-        if cfg.mode in ("dot", "dot_x") and x.dtype not in (torch.bfloat16, torch.float16) and m <= 4:
-            cfg = replace(cfg, mode="fma")         # (tensor cores need half activations)
+        cfg = run
     if cfg.mode in ("dot", "dot_x") and (w.pack < 16 or x.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"mode {cfg.mode!r} needs pack >= 16 and bf16/fp16 activations")
     nsub, g_shift = tiled_groups(w)
@@ -786,6 +785,18 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
 def _check_cuda_config(cfg: TiledConfig) -> None:
     if cfg.block_n < cfg.num_warps or cfg.block_n % cfg.num_warps:
         raise ValueError(f"mode 'cuda' needs block_n a multiple of num_warps, got {cfg.block_n} and {cfg.num_warps}")
+
+
+def runnable_config(cfg: TiledConfig, w, m: int, n: int, k: int, device, dtype: torch.dtype) -> TiledConfig:
+    """The config the dispatcher runs for `cfg` (the same object where it runs as is): a CUDA mode where its
+    kernel runs here, else the shape class's Triton config (no NVRTC here, doctor says why, or not this
+    shape), with `fma` for the tensor-core modes at <= 4 rows of fp32 activations."""
+    if cfg.mode not in ("cuda", "mma", "diag") or cuda_mode_runs(cfg, w, m, device, dtype):
+        return cfg
+    cfg = class_config(m, n, k)
+    if cfg.mode in ("dot", "dot_x") and dtype not in (torch.bfloat16, torch.float16) and m <= 4:
+        cfg = replace(cfg, mode="fma")
+    return cfg
 
 
 def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> bool:
