@@ -197,21 +197,21 @@ def bench_int4(sweep: bool) -> list[dict]:
 
 # ---- fp8 ---------------------------------------------------------------------------------------
 FP8_SHAPES = [("V3 dense gate 18432x7168", 18432, 7168), ("V3 q_b_proj 24576x1536", 24576, 1536),
+              ("V3 o_proj 7168x16384", 7168, 16384), ("V3 q_a_proj 1536x7168", 1536, 7168),
               ("4096x4096", 4096, 4096), ("V3 kv_a_proj 576x7168", 576, 7168)]
 
 
 @torch.no_grad()
 def bench_fp8() -> list[dict]:
     """bf16 F.linear vs linear_fp8's two CUDA paths on the same weight: scaled_mm (every row count) and the
-    fp8 GEMV (backend gemv, 1-16 rows), the GEMV also with K in 4 slices (`gemv4`: gemv_split_k 4). Each path's
-    output against the bf16 linear in fp32."""
+    fp8 GEMV (backend gemv, 1-16 rows; its launch, K split included, by the shape: fp8_triton.launch_config).
+    Each path's output against the bf16 linear in fp32."""
     from .operators.linear_fp8 import Fp8Linear, Fp8Options
     rows = []
     for label, n, k in FP8_SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies = max(1, min(32, math.ceil(L2_BYTES / (n * k))))
-        variants = {"scaled_mm": Fp8Options(backend="scaled_mm"), "gemv": Fp8Options(backend="gemv"),
-                    "gemv4": Fp8Options(backend="gemv", gemv_split_k=4)}     # name -> options (backend: its path)
+        variants = {"scaled_mm": Fp8Options(backend="scaled_mm"), "gemv": Fp8Options(backend="gemv")}
         mods = {b: [Fp8Linear.from_weight(w, options=o, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
                 for b, o in variants.items()}
         wds = [w] + [w.clone() for _ in range(max(1, math.ceil(L2_BYTES / (2 * n * k))) - 1)]
@@ -413,15 +413,14 @@ def to_markdown(res: dict) -> str:
                        f"{r['expanded_kv_bytes_per_token']} |")
         out.append("")
     if res.get("fp8"):
-        out += ["| shape | batch | bf16 us | scaled_mm us | x bf16 | rel err | gemv us | x bf16 | rel err | "
-                "gemv, 4 K slices, us | x bf16 | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["| shape | batch | bf16 us | scaled_mm us | x bf16 | rel err | gemv us | x bf16 | rel err |",
+                "|---|---|---|---|---|---|---|---|---|"]
 
         def cells(r, b):
             return (f"{r[b + '_us']:.1f} | {r[b + '_x_bf16']:.2f} | {r[b + '_rel_err']:.4f}" if b + "_us" in r
                     else "- | - | -")
         for r in res["fp8"]:
-            out.append(f"| {r['shape']} | {r['batch']} | {r['bf16_us']:.1f} | {cells(r, 'scaled_mm')} | {cells(r, 'gemv')} | "
-                       f"{cells(r, 'gemv4')} |")
+            out.append(f"| {r['shape']} | {r['batch']} | {r['bf16_us']:.1f} | {cells(r, 'scaled_mm')} | {cells(r, 'gemv')} |")
         out.append("")
     if res.get("gen"):
         out += ["| setup | prompt | new | prefill tok/s | decode tok/s | decode mode |", "|---|---|---|---|---|---|"]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ktinject.errors import LoadError, WeightError
 from ktinject.operators import BuildContext, get
+from ktinject.operators.kernels.fp8_triton import launch_config
 from ktinject.operators.linear_fp8 import FP8, Fp8Linear, Fp8Options, dequantize_blockwise
 from ktinject.testing import run_in_triton_interpreter
 
@@ -77,7 +78,7 @@ def test_gpu_scaled_mm_matches_math(rows):
 
 _INTERP_GEMV = textwrap.dedent("""
     import torch
-    from ktinject.operators.kernels.fp8_triton import fp8_gemv
+    from ktinject.operators.kernels.fp8_triton import DOT, ROW, Launch, fp8_gemv, launch_config
     from ktinject.operators.linear_fp8 import Fp8Linear, Fp8Options, quantize_rowwise
     torch.manual_seed(0)
     # (rows, N, K, dtype, bias): one row with K a multiple of the block and not, N past the block and tiny,
@@ -100,8 +101,19 @@ _INTERP_GEMV = textwrap.dedent("""
         y = fp8_gemv(x, qs, ss, b, split_k=split)
         ref = x @ (qs.float() * ss[:, None]).T + b
         assert y.dtype == torch.float32 and ((y - ref).norm() / ref.norm()).item() < 1e-5, (m, n, k, split)
+    # the split by the shape (launch_config): K >= 16384 at one row, K >= 6144 at 2-16; a launch given whole
+    for m, n, k, launch in [(1, 9, 16500, None), (3, 40, 6144, None), (2, 20, 512, Launch(DOT, 16, 16, 128, 4, 2, 3)),
+                            (1, 20, 1000, Launch(ROW, 1, 4, 256, 4, 1, 2))]:
+        qs, ss = quantize_rowwise(torch.randn(n, k))
+        x = torch.randn(m, k)
+        assert launch or launch_config(m, n, k).split == 4
+        y = fp8_gemv(x, qs, ss, launch=launch)
+        ref = x @ (qs.float() * ss[:, None]).T
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-5, (m, n, k, launch)
     for bad, match in [(lambda: fp8_gemv(torch.randn(1, 64), torch.randn(8, 64), torch.ones(8)), "float8"),
                        (lambda: fp8_gemv(torch.randn(1, 64), q[:, :64].contiguous(), s, split_k=17), "split_k"),
+                       (lambda: fp8_gemv(torch.randn(3, 64), q[:, :64].contiguous(), s,
+                                         launch=Launch(ROW, 1, 4, 64, 4, 1, 1)), "does not fit 3 rows"),
                        (lambda: fp8_gemv(torch.randn(17, 64), q[:, :64].contiguous(), s), "1 to 16 rows"),
                        (lambda: fp8_gemv(torch.randn(1, 200), q, s[:3]), "scale")]:
         try:
@@ -136,7 +148,7 @@ def test_gemv_backend_off_cuda_and_options():
     with pytest.raises(ValueError, match="gemv_max_batch"):
         Fp8Options(gemv_max_batch=17)
     with pytest.raises(ValueError, match="gemv_split_k"):
-        Fp8Options(gemv_split_k=0)
+        Fp8Options(gemv_split_k=17)
 
 
 @pytest.mark.gpu
@@ -159,7 +171,10 @@ def test_gpu_fp8_gemv_matches_math(rows, shape):
         out = mod(x)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, got)
+    if launch_config(rows, n, k).split > 1:      # K slices added by atomics: the last bits vary run to run
+        assert sqnr(F.linear(x.float(), ref_w, bias.cuda()), out.float()) > 25
+    else:
+        assert torch.equal(out, got)
 
 
 @pytest.mark.gpu

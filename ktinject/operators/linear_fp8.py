@@ -36,15 +36,15 @@ class Fp8Options:
     block_size: int = 128           # block edge of `weight_scale_inv` in FP8 checkpoints
     backend: str = "auto"           # auto: on sm_89+ gemv up to gemv_max_batch rows, scaled_mm above; else torch
     gemv_max_batch: int = 16        # auto / gemv: rows up to which the fp8 GEMV runs (1-16)
-    gemv_split_k: int = 1           # the GEMV's K slices (1-16; > 1 for matrices of few rows, see fp8_triton)
+    gemv_split_k: int = 0           # the GEMV's K slices: 0 by the shape (fp8_triton.launch_config), 1-16 fixed
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 1 <= self.gemv_max_batch <= 16:
             raise ValueError(f"gemv_max_batch must be 1 to 16, got {self.gemv_max_batch}")
-        if not 1 <= self.gemv_split_k <= 16:
-            raise ValueError(f"gemv_split_k must be 1 to 16, got {self.gemv_split_k}")
+        if not 0 <= self.gemv_split_k <= 16:
+            raise ValueError(f"gemv_split_k must be 0 (by the shape) or 1 to 16, got {self.gemv_split_k}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
