@@ -163,10 +163,18 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, n, s.c0);
             grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, n, s.c1);
         }
-        for (int64_t j = 0; j < n; j++) {
-            float *hr = m->h + (base + j) * I + r0;
-            const float *a = s.c0 + j * s.ct, *b = s.c1 + j * s.ct;
-            for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
+        if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
+            ktk_amx_silu_mul(s.c0, s.c1, s.cr, RC);
+            for (int64_t j = 0; j < n; j++) {
+                float *hr = m->h + (base + j) * I + r0;
+                for (int r = 0; r < RC; r++) hr[r] = s.c0[j + r * s.cr];
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                float *hr = m->h + (base + j) * I + r0;
+                const float *a = s.c0 + j * s.ct, *b = s.c1 + j * s.ct;
+                for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
+            }
         }
         return;
     }
@@ -378,7 +386,11 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->xptr[pos] = x + (i / k) * H;
         m->hptr[pos] = m->h + pos * I;
     }
+#if defined(KTK_AMX_EMULATE)   /* amx_emulate_check.c: isa AVX2 takes the grouped AMX path on the emulated tiles */
+    m->amx = isa == KTK_ISA_AVX2;
+#else
     m->amx = isa == KTK_ISA_AMX;
+#endif
     m->isa = isa;
     m->nact = m->ntile = m->maxcnt = m->nplain = 0;
     int64_t npad = 0;
