@@ -135,20 +135,28 @@ static void amx_config(void) {
  * before the tile stores. A compiler barrier before and after the tile loops. */
 #define AMX_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
 
+/* The tile loops. A tile (row tile rt of the 32 rows, k-step ks) at A + ks * a_ks + rt * a_rt values, its
+ * 16 rows a_stride bytes apart: the tile-major rows that ktk_amx_rows_bf16 writes (1024, 512, 64), or
+ * BF16 weight rows read in place (32, 8 * rb, rb). `pf`: prefetch the A rows that many k-steps ahead in
+ * the first pass over the tokens (rows read in place come from memory; the later passes find them in L2). */
 KTK_AMX_TARGET
-void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64_t a_stride, int64_t K, int pf,
+                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     if (!t_configured) amx_config();
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
     AMX_MEMORY_BARRIER();
-    for (int64_t tt = 0; tt < ntt; tt += 2) {
+    for (int64_t tt = 0; tt < ntt; tt += 2, pf = 0) {
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
         float *c0 = C + tt * 16, *c1 = C + 16 * ldc + tt * 16;
         _tile_zero(0); _tile_zero(1);
         if (tt + 1 < ntt) {
             _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
-                _tile_loadd(4, Wt + ks * 1024, 64);
-                _tile_loadd(5, Wt + ks * 1024 + 512, 64);
+                if (pf && ks + pf < KS)
+                    for (int r = 0; r < 32; r++)
+                        _mm_prefetch((const char *)(A + (ks + pf) * a_ks + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+                _tile_loadd(4, A + ks * a_ks, a_stride);
+                _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
                 _tile_loadd(7, b1 + ks * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -160,8 +168,11 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
             _tile_stored(3, c1 + 16, ldc * 4);
         } else {
             for (int64_t ks = 0; ks < KS; ks++) {
-                _tile_loadd(4, Wt + ks * 1024, 64);
-                _tile_loadd(5, Wt + ks * 1024 + 512, 64);
+                if (pf && ks + pf < KS)
+                    for (int r = 0; r < 32; r++)
+                        _mm_prefetch((const char *)(A + (ks + pf) * a_ks + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+                _tile_loadd(4, A + ks * a_ks, a_stride);
+                _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 5, 6);
@@ -172,6 +183,17 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
     }
     AMX_MEMORY_BARRIER();
 }
+
+KTK_AMX_TARGET
+void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc);
+}
+
+KTK_AMX_TARGET
+void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, 8, pk, nt, C, ldc);
+}
+
 #undef AMX_MEMORY_BARRIER
 
 /* ---- GGML rows to tile-major bf16 (AVX-512 + AVX512-BF16) ----
@@ -371,6 +393,9 @@ void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) {
 #else
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)Wt; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
+}
+void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+    (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
 }
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp) {

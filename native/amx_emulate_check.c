@@ -6,7 +6,8 @@
  *   - ktk_amx_rows_bf16's tile-major layout, value by value, against the same dequantization
  *     rounded to bf16;
  *   - ktk_amx_gemm against a double-precision dot of those bf16 rows and tokens, the padding
- *     columns zero and the columns past them untouched.
+ *     columns zero and the columns past them untouched; for BF16, ktk_amx_gemm_rows (the rows
+ *     read in place) bit for bit against it.
  * Then the SiLU epilogue against libm (huge, infinite and NaN inputs too), and the fused MoE layer
  * (moe.c) at 48 and 100 tokens, whose grouped experts take the AMX path in this build when isa is
  * AVX2 (token packing, the SiLU epilogue, h packing, the down projection's weighted sums), against
@@ -120,7 +121,7 @@ int main(void) {
             float *w = malloc((size_t)(32 * n) * 4), *x = malloc((size_t)(50 * n) * 4), *tmp = malloc((size_t)n * 4);
             uint16_t *wt = aligned_alloc(64, (size_t)(32 * n) * 2);
             uint16_t *pk = aligned_alloc(64, ((size_t)ktk_amx_pack_x_elems(50, n) * 2 + 63) / 64 * 64);
-            float *C = aligned_alloc(64, (size_t)32 * 80 * 4);
+            float *C = aligned_alloc(64, (size_t)32 * 80 * 4), *C2 = aligned_alloc(64, (size_t)32 * 80 * 4);
             const float *xp[50];
             fill(t, rows, 32, n);
             for (int r = 0; r < 32; r++) {
@@ -147,9 +148,19 @@ int main(void) {
                 for (int64_t ldc = pad; ldc <= pad + 16; ldc += 16) {
                     cases++;
                     fails += check_gemm(t, n, w, x, wt, pk, nt, ldc, C);
+                    if (t == KTK_BF16) {   /* the rows read in place: the same tiles, the same bits */
+                        for (int64_t i = 0; i < 32 * ldc; i++) C2[i] = NAN;
+                        ktk_amx_gemm_rows(rows, rb, n, pk, nt, C2, ldc);
+                        cases++;
+                        if (memcmp(C, C2, (size_t)(32 * ldc) * 4)) {
+                            fails++;
+                            printf("FAIL gemm_rows n %lld tokens %lld ldc %lld: not ktk_amx_gemm's bits\n", (long long)n,
+                                   (long long)nt, (long long)ldc);
+                        }
+                    }
                 }
             }
-            free(rows); free(w); free(x); free(tmp); free(wt); free(pk); free(C);
+            free(rows); free(w); free(x); free(tmp); free(wt); free(pk); free(C); free(C2);
         }
     cases++;
     fails += check_silu();

@@ -137,13 +137,28 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
     s->ct = RC; s->cr = 1;
 }
 
+/* $KTINJECT_AMX_BF16_IN_PLACE=0: BF16 rows copied to tile-major first like the other types (A/B only) */
+static int amx_bf16_in_place(void) {
+    static int on = -1;
+    int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *e = getenv("KTINJECT_AMX_BF16_IN_PLACE");
+        v = !(e && e[0] == '0');
+        __atomic_store_n(&on, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
  * the tile GEMM against the expert's packed tokens. */
 static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
                         const uint16_t *pk, int64_t nt, float *C) {
     int64_t ldc = (nt + 15) / 16 * 16;
-    ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
-    ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
+    if (type == KTK_BF16 && amx_bf16_in_place()) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
+    else {
+        ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
+        ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
+    }
     s->ct = 1; s->cr = ldc;
 }
 
