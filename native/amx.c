@@ -9,9 +9,12 @@
  * stored straight into C[row][token].
  * Blocking: 2 row tiles x 2 token tiles = 4 accumulators, 2 A + 2 B tiles. (Running K in
  * L1-sized chunks, C accumulating in memory between them, measured slower: 29.4 vs 24.9 ms per
- * V2-Lite Q4_K layer at batch 512.) */
+ * V2-Lite Q4_K layer at batch 512; converting the rows chunk by chunk as well, each chunk
+ * multiplied while in L1, was not faster than this either.)
+ * ktk_amx_silu_mul: the gate/up epilogue on the row-major C blocks. */
 #include "ktk_int.h"
 #include <immintrin.h>
+#include <math.h>
 
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K) { return (nt + 15) / 16 * 16 * K; }
 
@@ -66,7 +69,42 @@ void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *pk) 
         }
 }
 
-#if defined(__x86_64__)
+#if defined(KTK_AMX_EMULATE)
+/* A software tile unit, so that the tile loop below runs (slowly) on any x86 CPU: built only into
+ * native/amx_emulate_check.c's driver (tests/test_amx_emulated.py), never into the library. Eight
+ * tiles of 16 rows x 64 bytes, as amx_config shapes them; TDPBF16PS as the ISA defines it, with
+ * the pair products summed in float (the hardware's rounding differs in the last bits). */
+static __thread uint8_t emu_tile[8][16 * 64];
+static void emu_loadd(int t, const void *base, int64_t stride) {
+    for (int r = 0; r < 16; r++) memcpy(emu_tile[t] + 64 * r, (const uint8_t *)base + r * stride, 64);
+}
+static void emu_stored(int t, void *base, int64_t stride) {
+    for (int r = 0; r < 16; r++) memcpy((uint8_t *)base + r * stride, emu_tile[t] + 64 * r, 64);
+}
+static void emu_dpbf16ps(int d, int a, int b) {
+    float c[256];
+    uint16_t av[512], bv[512];
+    memcpy(c, emu_tile[d], sizeof c); memcpy(av, emu_tile[a], sizeof av); memcpy(bv, emu_tile[b], sizeof bv);
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++)
+            for (int k = 0; k < 16; k++)
+                c[m * 16 + n] += ktk_bf16_to_f32(av[m * 32 + 2 * k]) * ktk_bf16_to_f32(bv[k * 32 + 2 * n]) +
+                                 ktk_bf16_to_f32(av[m * 32 + 2 * k + 1]) * ktk_bf16_to_f32(bv[k * 32 + 2 * n + 1]);
+    memcpy(emu_tile[d], c, sizeof c);
+}
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#define _tile_loadd(t, base, stride) emu_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) emu_stored(t, base, stride)
+#define _tile_zero(t) memset(emu_tile[t], 0, sizeof emu_tile[t])
+#define _tile_dpbf16ps(d, a, b) emu_dpbf16ps(d, a, b)
+#define KTK_AMX_TARGET
+static __thread int t_configured;
+static void amx_config(void) { t_configured = 1; }
+#elif defined(__x86_64__)
+#define KTK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f")))
 typedef struct __attribute__((packed, aligned(64))) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -75,29 +113,50 @@ typedef struct __attribute__((packed, aligned(64))) {
 
 static __thread int t_configured;
 
-__attribute__((target("amx-tile,amx-bf16,avx512f")))
+/* GCC's _tile_loadconfig tells the compiler it reads only the first 8 bytes of the 64-byte
+ * config, so once this is inlined the stores of the tile shapes can be dropped as dead (seen:
+ * garbage tiles); the empty asm takes the config's address and clobbers memory, which keeps them. */
+__attribute__((target("amx-tile,amx-bf16,avx512f"), noinline))
 static void amx_config(void) {
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
     t_configured = 1;
 }
+#endif
 
-__attribute__((target("amx-tile,amx-bf16,avx512f")))
-void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+#if defined(__x86_64__)
+/* GCC's tile intrinsics are asm statements without a memory clobber: nothing orders them against
+ * plain loads and stores, so (once inlined next to ktk_amx_rows_bf16 or the caller's reads of C)
+ * the stores of the converted rows could sink below the tile loads that read them, or C be read
+ * before the tile stores. A compiler barrier before and after the tile loops. */
+#define AMX_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
+
+/* The tile loops. A tile (row tile rt of the 32 rows, k-step ks) at A + ks * a_ks + rt * a_rt values, its
+ * 16 rows a_stride bytes apart: the tile-major rows that ktk_amx_rows_bf16 writes (1024, 512, 64), or
+ * BF16 weight rows read in place (32, 8 * rb, rb). `pf`: prefetch the A rows that many k-steps ahead in
+ * the first pass over the tokens (rows read in place come from memory; the later passes find them in L2). */
+KTK_AMX_TARGET
+static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64_t a_stride, int64_t K, int pf,
+                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     if (!t_configured) amx_config();
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
-    for (int64_t tt = 0; tt < ntt; tt += 2) {
+    AMX_MEMORY_BARRIER();
+    for (int64_t tt = 0; tt < ntt; tt += 2, pf = 0) {
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
         float *c0 = C + tt * 16, *c1 = C + 16 * ldc + tt * 16;
         _tile_zero(0); _tile_zero(1);
         if (tt + 1 < ntt) {
             _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
-                _tile_loadd(4, Wt + ks * 1024, 64);
-                _tile_loadd(5, Wt + ks * 1024 + 512, 64);
+                if (pf && ks + pf < KS)
+                    for (int r = 0; r < 32; r++)
+                        _mm_prefetch((const char *)(A + (ks + pf) * a_ks + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+                _tile_loadd(4, A + ks * a_ks, a_stride);
+                _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
                 _tile_loadd(7, b1 + ks * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -109,8 +168,11 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
             _tile_stored(3, c1 + 16, ldc * 4);
         } else {
             for (int64_t ks = 0; ks < KS; ks++) {
-                _tile_loadd(4, Wt + ks * 1024, 64);
-                _tile_loadd(5, Wt + ks * 1024 + 512, 64);
+                if (pf && ks + pf < KS)
+                    for (int r = 0; r < 32; r++)
+                        _mm_prefetch((const char *)(A + (ks + pf) * a_ks + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+                _tile_loadd(4, A + ks * a_ks, a_stride);
+                _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 5, 6);
@@ -119,7 +181,20 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
         _tile_stored(0, c0, ldc * 4);
         _tile_stored(1, c1, ldc * 4);
     }
+    AMX_MEMORY_BARRIER();
 }
+
+KTK_AMX_TARGET
+void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc);
+}
+
+KTK_AMX_TARGET
+void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, 8, pk, nt, C, ldc);
+}
+
+#undef AMX_MEMORY_BARRIER
 
 /* ---- GGML rows to tile-major bf16 (AVX-512 + AVX512-BF16) ----
  * Each writer emits one row's 32-value k-steps, chunk ks at dst + ks * cs (cs: elements). The
@@ -127,7 +202,32 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
  * (subnormals flush to zero in the AVX512-BF16 conversions). 4- and 5-bit types go through a
  * table: the 16 (or 32) values a block or sub-block can take are computed and converted once,
  * and one word permutation per 32 values looks them up. */
+#if defined(KTK_AMX_EMULATE_WRITERS)
+/* The check driver's second build (tests/test_amx_emulated.py, on CPUs with AVX-512 F/BW/VL/DQ but
+ * maybe not AVX512-BF16): the real writers and SiLU, with the two BF16 conversions done in AVX-512F
+ * as the ISA defines them (round to nearest even, subnormal inputs as zero, NaN kept quiet). */
+#define KTK_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+KTK_BF16_TARGET static inline __m256i emu_cvtneps(__m512 a) {
+    __m512i u = _mm512_castps_si512(a);
+    const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+    u = _mm512_mask_and_epi32(u, sub, u, _mm512_set1_epi32((int)0x80000000));   /* subnormal: signed zero */
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+KTK_BF16_TARGET static inline __m512i emu_cvtne2ps(__m512 hi, __m512 lo) {   /* words 0-15 from lo */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(emu_cvtneps(lo)), emu_cvtneps(hi), 1);
+}
+#undef _mm512_cvtneps_pbh
+#undef _mm512_cvtne2ps_pbh
+#define _mm512_cvtneps_pbh(a) ((__m256bh)emu_cvtneps(a))
+#define _mm512_cvtne2ps_pbh(a, b) ((__m512bh)emu_cvtne2ps(a, b))
+#else
 #define KTK_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+#endif
 
 KTK_BF16_TARGET static inline __m512i bf16_pair(__m512 lo, __m512 hi) {   /* 16 + 16 floats -> 32 bf16 */
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
@@ -143,19 +243,34 @@ KTK_BF16_TARGET static inline void put32(uint16_t *dst, __m256i q, __m512i table
     _mm512_storeu_si512((void *)dst, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
 }
 
+/* Q4_K: the 8 sub-block scales and mins of a block unpacked at once (the 6-bit fields as four
+ * 32-bit words), converted and multiplied in one vector: sv = [d*sc0 .. d*sc7, -dmin*m0 .. -dmin*m7],
+ * the same products as the f32 dequantization's. Sub-blocks 2j and 2j+1 (the low and high nibbles
+ * of 32 bytes) share one 32-entry table: low nibbles index words 0-15, high nibbles + 16 words 16-31. */
 KTK_BF16_TARGET static void row_q4_k(const uint8_t *src, int64_t n, uint16_t *dst, int64_t cs) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(0x10);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t i = 0; i < n / 256; i++, src += sizeof(blk_q4_k)) {
         const blk_q4_k *b = (const blk_q4_k *)src;
-        float d = _cvtsh_ss(b->d), dmin = _cvtsh_ss(b->dmin);
+        uint32_t u0, u1, u2;
+        memcpy(&u0, b->scales, 4); memcpy(&u1, b->scales + 4, 4); memcpy(&u2, b->scales + 8, 4);
+        const uint32_t sc_lo = u0 & 0x3f3f3f3fu, m_lo = u1 & 0x3f3f3f3fu;
+        const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+        const uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+        const float d = _cvtsh_ss(b->d), dmin = _cvtsh_ss(b->dmin);
+        const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin));
+        const __m512 sv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                            _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi))), dd);
         for (int j = 0; j < 4; j++) {
-            uint8_t sc0, m0, sc1, m1;
-            ktk_scale_min_k4(2 * j, b->scales, &sc0, &m0);
-            ktk_scale_min_k4(2 * j + 1, b->scales, &sc1, &m1);
+            __m512 lo = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j), sv),
+                                        _mm512_permutexvar_ps(_mm512_set1_epi32(8 + 2 * j), sv));
+            __m512 hi = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j + 1), sv),
+                                        _mm512_permutexvar_ps(_mm512_set1_epi32(9 + 2 * j), sv));
+            __m512i table = bf16_pair(lo, hi);
             __m256i v = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * j));
             uint16_t *o = dst + (i * 8 + 2 * j) * cs;
-            put32(o, _mm256_and_si256(v, m4), bf16_table16(d * sc0, -dmin * m0));
-            put32(o + cs, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), bf16_table16(d * sc1, -dmin * m1));
+            put32(o, _mm256_and_si256(v, m4), table);
+            put32(o + cs, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), sixteen), table);
         }
     }
 }
@@ -210,11 +325,22 @@ KTK_BF16_TARGET static void row_f32(const float *src, int64_t n, uint16_t *dst, 
         _mm512_storeu_si512((void *)(dst + i * cs), bf16_pair(_mm512_loadu_ps(src + 32 * i), _mm512_loadu_ps(src + 32 * i + 16)));
 }
 
-KTK_BF16_TARGET
+#if defined(KTK_AMX_EMULATE) && !defined(KTK_AMX_EMULATE_WRITERS)
+#define KTK_ROWS_TARGET   /* the check driver's first build: the CPU may lack AVX-512 */
+#else
+#define KTK_ROWS_TARGET KTK_BF16_TARGET
+#endif
+
+KTK_ROWS_TARGET
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp) {
     const int64_t cs = (int64_t)nrows * 32;
     for (int r = 0; r < nrows; r++, rows += rb, dst += 32) {
+#if defined(KTK_AMX_EMULATE) && !defined(KTK_AMX_EMULATE_WRITERS)   /* K's dequantization, rounded */
+        K->dequant(type, rows, tmp, n);
+        for (int64_t i = 0; i < n; i++) dst[i / 32 * cs + i % 32] = ktk_f32_to_bf16(tmp[i]);
+        continue;
+#endif
         switch (type) {
         case KTK_Q4_K: row_q4_k(rows, n, dst, cs); break;
         case KTK_Q4_0: row_q4_0(rows, n, dst, cs); break;
@@ -228,12 +354,52 @@ void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int6
         }
     }
 }
+
+/* exp(x) for the SiLU epilogue: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its Taylor
+ * polynomial to r^6 (within 2 ulp on [-87, 88]), times 2^n by vscalefps (inf past the float range).
+ * x is first raised to -104 (e^-104 is 0 in float): far below that the reduction cancels and gave
+ * inf or NaN (exp(-1e30) was inf); NaN stays NaN (max returns its second operand). */
+KTK_BF16_TARGET static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#if defined(KTK_AMX_EMULATE) && !defined(KTK_AMX_EMULATE_WRITERS)
+void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) {
+    for (int64_t i = 0; i < rows * ldc; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+#else
+KTK_BF16_TARGET
+void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < ldc; j += 16) {
+            __m512 x = _mm512_loadu_ps(g + r * ldc + j), y = _mm512_loadu_ps(u + r * ldc + j);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            _mm512_storeu_ps(g + r * ldc + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), y));
+        }
+}
+#endif
 #else
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)Wt; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
+}
+void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+    (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
 }
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp) {
     (void)K; (void)type; (void)rows; (void)rb; (void)nrows; (void)n; (void)dst; (void)tmp;
 }
+void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) { (void)g; (void)u; (void)ldc; (void)rows; }
 #endif

@@ -106,11 +106,14 @@ void ktk_quant_act_scalar(const float *x, ktk_q8 *q, int64_t n);
 
 /* AMX (amx.c), on a block of 32 weight rows: C[r*ldc + t] = dot(W[r], X[t]) for r < 32 and
  * t < 16 * ceil(nt / 16) (columns past nt hold zeros; ldc >= that); Wt: the rows as
- * ktk_amx_rows_bf16 writes them; X packed by ktk_amx_pack_x. */
+ * ktk_amx_rows_bf16 writes them; X packed by ktk_amx_pack_x.
+ * ktk_amx_silu_mul: g = SiLU(g) * u over rows x ldc floats (ldc % 16 == 0). */
 int ktk_amx_usable(void);
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K);
 void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *packed);
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t nt, float *C, int64_t ldc);
+/* The same with the 32 rows' A tiles loaded in place from BF16 weight rows rb bytes apart (no conversion) */
+void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *packed, int64_t nt, float *C, int64_t ldc);
 /* nrows GGML rows (rb bytes apart, n values each, n % 32 == 0) to bf16, tile-major: the 32
  * values of k-step ks of row r at dst[(ks * nrows + r) * 32], so each 16-row A tile of a k-step
  * is 1 KiB of contiguous memory; tmp: n floats of scratch. Q4_K, Q4_0, Q5_0, Q8_0, BF16 and F32
@@ -119,6 +122,7 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t
  * AVX512-BF16 conversions do). Needs AVX512-BF16. */
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp);
+void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows);
 
 /* R16 (r16.c): out[p * 16 + r] = dot(row r of the group at g[p], activation record xq[p]) for
  * p < P <= KTK_R16_P (the pairs' blocks read in lockstep: P streams in flight); the AVX-512 VNNI

@@ -137,13 +137,28 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
     s->ct = RC; s->cr = 1;
 }
 
+/* $KTINJECT_AMX_BF16_IN_PLACE=0: BF16 rows copied to tile-major first like the other types (A/B only) */
+static int amx_bf16_in_place(void) {
+    static int on = -1;
+    int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *e = getenv("KTINJECT_AMX_BF16_IN_PLACE");
+        v = !(e && e[0] == '0');
+        __atomic_store_n(&on, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
  * the tile GEMM against the expert's packed tokens. */
 static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
                         const uint16_t *pk, int64_t nt, float *C) {
     int64_t ldc = (nt + 15) / 16 * 16;
-    ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
-    ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
+    if (type == KTK_BF16 && amx_bf16_in_place()) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
+    else {
+        ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
+        ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
+    }
     s->ct = 1; s->cr = ldc;
 }
 
@@ -163,10 +178,18 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, n, s.c0);
             grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, n, s.c1);
         }
-        for (int64_t j = 0; j < n; j++) {
-            float *hr = m->h + (base + j) * I + r0;
-            const float *a = s.c0 + j * s.ct, *b = s.c1 + j * s.ct;
-            for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
+        if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
+            ktk_amx_silu_mul(s.c0, s.c1, s.cr, RC);
+            for (int64_t j = 0; j < n; j++) {
+                float *hr = m->h + (base + j) * I + r0;
+                for (int r = 0; r < RC; r++) hr[r] = s.c0[j + r * s.cr];
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                float *hr = m->h + (base + j) * I + r0;
+                const float *a = s.c0 + j * s.ct, *b = s.c1 + j * s.ct;
+                for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
+            }
         }
         return;
     }
@@ -378,7 +401,11 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->xptr[pos] = x + (i / k) * H;
         m->hptr[pos] = m->h + pos * I;
     }
+#if defined(KTK_AMX_EMULATE)   /* amx_emulate_check.c: isa AVX2 takes the grouped AMX path on the emulated tiles */
+    m->amx = isa == KTK_ISA_AVX2;
+#else
     m->amx = isa == KTK_ISA_AMX;
+#endif
     m->isa = isa;
     m->nact = m->ntile = m->maxcnt = m->nplain = 0;
     int64_t npad = 0;

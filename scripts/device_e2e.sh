@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -170,6 +170,17 @@ if [[ $steps == *" int4 "* ]]; then   # linear_int4's GEMV kernels: their gpu te
   timeout -s KILL ${SWEEP_TIMEOUT:-380} python3 scripts/int4_sweep.py --quick --budget ${SWEEP_BUDGET:-300} \
     > "$OUT/int4_sweep.txt" 2>&1
   grep -v "^JSON" "$OUT/int4_sweep.txt" | tail -45
+fi
+if [[ $steps == *" amx "* ]]; then   # the AMX grouped (prefill) path: its tests on the real tiles, the unit's own rate
+  # on 1-16 threads, then batch 512 per layer on AMX (bench and per-phase trace) and on AVX-512
+  timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider tests/test_native_kernels.py tests/test_r16.py \
+    tests/test_amx_emulated.py 2>&1 | tee "$OUT/amx_tests.log" | tail -3
+  gcc -O2 -pthread -mamx-tile -mamx-bf16 scripts/amx_peak.c -o /tmp/amx_peak && for t in 1 8 16; do /tmp/amx_peak $t; done
+  timeout -s KILL 60 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 --gib 2 --probe-gib 1 \
+    --seconds 2 --isa amx --json 2>/dev/null | tee -a "$OUT/amx.jsonl" | cut -c1-300
+  timeout -s KILL 60 python3 scripts/trace_layer.py q4_k 512 amx --threads 16 2>&1 | tail -1
+  timeout -s KILL 90 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 --gib 2 --probe-gib 1 \
+    --seconds 2 --isa avx512 --json 2>/dev/null | tee -a "$OUT/amx.jsonl" | cut -c1-300
 fi
 if [[ $steps == *" fp8 "* ]]; then   # linear_fp8's gpu tests (scaled_mm and the fp8 GEMV), then bench_gpu's fp8 and int4
   timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4

@@ -1,0 +1,171 @@
+/* The AMX grouped path's tile loop on any x86 CPU with AVX2: built with -DKTK_AMX_EMULATE, where
+ * amx.c's tile intrinsics run on a software tile unit and the rows are converted by the scalar
+ * dequantization (tests/test_amx_emulated.py; the real unit is checked on an AMX machine by
+ * tests/test_native_kernels.py). For every type, K from one k-step to 72, and 1-50 tokens (odd and
+ * even token tile counts, counts not a multiple of 16), at two C strides:
+ *   - ktk_amx_rows_bf16's tile-major layout, value by value, against the same dequantization
+ *     rounded to bf16;
+ *   - ktk_amx_gemm against a double-precision dot of those bf16 rows and tokens, the padding
+ *     columns zero and the columns past them untouched; for BF16, ktk_amx_gemm_rows (the rows
+ *     read in place) bit for bit against it.
+ * Then the SiLU epilogue against libm (huge, infinite and NaN inputs too), and the fused MoE layer
+ * (moe.c) at 48 and 100 tokens, whose grouped experts take the AMX path in this build when isa is
+ * AVX2 (token packing, the SiLU epilogue, h packing, the down projection's weighted sums), against
+ * the scalar path. Built with -DKTK_AMX_EMULATE_WRITERS as well (on CPUs with AVX-512
+ * F/BW/VL/DQ), the rows go through the real AVX-512 writers and the SiLU through exp512, the BF16
+ * conversions emulated. Exit status 0 = all good. */
+#include "check_util.h"
+#include <stdio.h>
+#include <stdlib.h>
+
+static float bf16_round(float f) { return ktk_bf16_to_f32(ktk_f32_to_bf16(f)); }
+
+/* The C stride: the padded token count, or one spare tile more (gemm must keep to its columns) */
+static int check_gemm(int t, int64_t n, const float *w, const float *x, const uint16_t *wt, const uint16_t *pk,
+                      int64_t nt, int64_t ldc, float *C) {
+    const int64_t pad = (nt + 15) / 16 * 16;
+    for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
+    ktk_amx_gemm(wt, n, pk, nt, C, ldc);
+    double worst = 0;
+    int bad = 0;
+    for (int r = 0; r < 32; r++)
+        for (int64_t j = 0; j < ldc; j++) {
+            const float c = C[r * ldc + j];
+            if (j >= pad) { bad += !isnan(c); continue; }   /* not ours to write */
+            double ref = 0, mag = 0;
+            if (j < nt)
+                for (int64_t k = 0; k < n; k++) { ref += (double)w[r * n + k] * x[j * n + k]; mag += fabs((double)w[r * n + k] * x[j * n + k]); }
+            double e = fabs(c - ref) / (mag > 0 ? mag : 1.0);
+            if (!(e <= 1e-5)) bad++;   /* (NaN too: every column up to pad is written) */
+            if (e > worst) worst = e;
+        }
+    if (bad)
+        printf("FAIL gemm type %d n %lld tokens %lld ldc %lld: %d of %lld outputs off (worst %.3g)\n", t, (long long)n,
+               (long long)nt, (long long)ldc, bad, (long long)(32 * ldc), worst);
+    return bad != 0;
+}
+
+static int check_silu(void) {   /* exp512 in the -DKTK_AMX_EMULATE_WRITERS build */
+    enum { NV = 2 * 1024, LDC = 64 };
+    static float g[NV], u[NV], g0[NV];
+    for (int i = 0; i < NV; i++) { g[i] = g0[i] = (float)(i - NV / 2) / 9.f; u[i] = 1.f + frand() * 0.5f; }
+    const float extreme[] = {1e30f, -1e30f, 3e38f, -3e38f, 100.f, -100.f, 0.f, -0.f, 88.f, -88.f, 89.f, -89.f,
+                             103.f, -103.f, 105.f, -105.f, 1e4f, -1e4f, INFINITY, -INFINITY, NAN, -NAN};
+    const int ne = (int)(sizeof extreme / sizeof *extreme);
+    for (int i = 0; i < ne; i++) { g[3 * i] = g0[3 * i] = extreme[i]; u[3 * i] = 1.f; }   /* spread over lanes */
+    ktk_amx_silu_mul(g, u, LDC, NV / LDC);
+    int bad = 0;
+    for (int i = 0; i < NV; i++) {
+        const double ref = (double)g0[i] / (1.0 + exp(-(double)g0[i])) * u[i];   /* -inf: NaN, as libm's */
+        const int ok = isnan(ref) ? isnan(g[i]) : isinf(ref) ? g[i] == ref : fabs(g[i] - ref) <= 1e-6 * fabs(ref) + 1e-30;
+        if (!ok && bad++ < 3) printf("FAIL silu(%g) * %g = %g, want %g\n", g0[i], u[i], g[i], ref);
+    }
+    return bad != 0;
+}
+
+static int check_moe(void) {
+    static const int moe_types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16};
+    const int64_t E = 4, H = 256, I = 1408, k = 2;
+    int fails = 0;
+    ktk_pool *pool = ktk_pool_new(3, 1);
+    if (!pool) { printf("FAIL pool\n"); return 1; }
+    for (size_t ti = 0; ti < sizeof moe_types / sizeof *moe_types; ti++) {
+        const int gt = moe_types[ti], dt = gt == KTK_Q4_K ? KTK_Q5_0 : gt;   /* V2-Lite: Q4_K gate/up, Q5_0 down */
+        const int64_t rbh = ktk_row_bytes(gt, H), rbi = ktk_row_bytes(dt, I);
+        uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));
+        fill(gt, g, E * I, H); fill(gt, u, E * I, H); fill(dt, dn, E * H, I);
+        ktk_moe_desc d = {gt, gt, dt, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
+        int err = 0;
+        ktk_moe *m = ktk_moe_new(&d, &err);
+        if (!m) { fails++; printf("FAIL moe_new %d\n", err); }
+        for (int64_t T = 48; m && T <= 100; T += 52) {
+            float *x = malloc((size_t)(T * H) * 4), *w = malloc((size_t)(T * k) * 4);
+            float *ref = malloc((size_t)(T * H) * 4), *out = malloc((size_t)(T * H) * 4);
+            int64_t *ids = malloc((size_t)(T * k) * sizeof *ids);
+            for (int64_t i = 0; i < T * H; i++) x[i] = frand();
+            for (int64_t i = 0; i < T; i++) {
+                ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E;
+                w[2 * i] = frand(); w[2 * i + 1] = frand();
+            }
+            int rc = ktk_moe_forward(m, pool, KTK_ISA_SCALAR, T, k, x, ids, w, ref) ||
+                     ktk_moe_forward(m, pool, KTK_ISA_AVX2, T, k, x, ids, w, out);
+            double num = 0, den = 0;
+            for (int64_t i = 0; i < T * H; i++) { num += (out[i] - ref[i]) * (double)(out[i] - ref[i]); den += (double)ref[i] * ref[i]; }
+            double e = sqrt(num / (den > 0 ? den : 1e-30));
+            if (rc || !(e < 2e-2)) {   /* bf16 weights and tokens on the tile path */
+                fails++;
+                printf("FAIL moe types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
+            }
+            free(x); free(w); free(ref); free(out); free(ids);
+        }
+        ktk_moe_free(m);
+        free(g); free(u); free(dn);
+    }
+    ktk_pool_free(pool);
+    return fails;
+}
+
+int main(void) {
+    static const int types[] = {KTK_F32, KTK_F16, KTK_BF16, KTK_Q8_0, KTK_Q4_0, KTK_Q5_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K,
+                                KTK_IQ4_XS};
+    static const int64_t ns[] = {32, 256, 1408, 2048, 2304};
+    static const int64_t nts[] = {1, 7, 16, 17, 33, 48, 50};
+    const ktk_kernels *K = ktk_kernels_for(KTK_ISA_SCALAR);
+    int fails = 0, cases = 0;
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+            const int t = types[ti];
+            const int64_t n = ns[ni], rb = ktk_row_bytes(t, n);
+            if (rb < 0) continue;   /* 32 and 1408 are not multiples of a K-quant block */
+            uint8_t *rows = malloc((size_t)(32 * rb));
+            float *w = malloc((size_t)(32 * n) * 4), *x = malloc((size_t)(50 * n) * 4), *tmp = malloc((size_t)n * 4);
+            uint16_t *wt = aligned_alloc(64, (size_t)(32 * n) * 2);
+            uint16_t *pk = aligned_alloc(64, ((size_t)ktk_amx_pack_x_elems(50, n) * 2 + 63) / 64 * 64);
+            float *C = aligned_alloc(64, (size_t)32 * 80 * 4), *C2 = aligned_alloc(64, (size_t)32 * 80 * 4);
+            const float *xp[50];
+            fill(t, rows, 32, n);
+            for (int r = 0; r < 32; r++) {
+                K->dequant(t, rows + r * rb, w + r * n, n);
+                for (int64_t k = 0; k < n; k++) w[r * n + k] = bf16_round(w[r * n + k]);
+            }
+            for (int64_t i = 0; i < 50 * n; i++) x[i] = bf16_round(frand());
+            for (int j = 0; j < 50; j++) xp[j] = x + j * n;
+            /* the rows: value k of row r at wt[(k / 32 * 32 + r) * 32 + k % 32] */
+            ktk_amx_rows_bf16(K, t, rows, rb, 32, n, wt, tmp);
+            int bad = 0;
+            for (int r = 0; r < 32; r++)
+                for (int64_t k = 0; k < n; k++) {
+                    const float v = ktk_bf16_to_f32(wt[(k / 32 * 32 + r) * 32 + k % 32]);
+                    if (memcmp(&v, &w[r * n + k], 4) && bad++ < 3)
+                        printf("FAIL rows type %d n %lld: row %d value %lld is %g, want %g\n", t, (long long)n, r,
+                               (long long)k, v, w[r * n + k]);
+                }
+            cases++;
+            fails += bad != 0;
+            for (size_t ci = 0; ci < sizeof nts / sizeof *nts; ci++) {
+                const int64_t nt = nts[ci], pad = (nt + 15) / 16 * 16;
+                ktk_amx_pack_x(xp, nt, n, pk);
+                for (int64_t ldc = pad; ldc <= pad + 16; ldc += 16) {
+                    cases++;
+                    fails += check_gemm(t, n, w, x, wt, pk, nt, ldc, C);
+                    if (t == KTK_BF16) {   /* the rows read in place: the same tiles, the same bits */
+                        for (int64_t i = 0; i < 32 * ldc; i++) C2[i] = NAN;
+                        ktk_amx_gemm_rows(rows, rb, n, pk, nt, C2, ldc);
+                        cases++;
+                        if (memcmp(C, C2, (size_t)(32 * ldc) * 4)) {
+                            fails++;
+                            printf("FAIL gemm_rows n %lld tokens %lld ldc %lld: not ktk_amx_gemm's bits\n", (long long)n,
+                                   (long long)nt, (long long)ldc);
+                        }
+                    }
+                }
+            }
+            free(rows); free(w); free(x); free(tmp); free(wt); free(pk); free(C); free(C2);
+        }
+    cases++;
+    fails += check_silu();
+    cases += 8;
+    fails += check_moe();
+    printf("%s (%d cases, %d failures)\n", fails ? "FAILED" : "OK", cases, fails);
+    return fails != 0;
+}

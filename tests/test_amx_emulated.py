@@ -1,0 +1,49 @@
+"""The AMX grouped (prefill) path without AMX: native/amx_emulate_check.c built with
+-DKTK_AMX_EMULATE, where amx.c's tile intrinsics run on a software tile unit. For every type it
+checks ktk_amx_rows_bf16's tile-major rows value by value and ktk_amx_gemm (token tile pairs and a
+last single tile, token counts not a multiple of 16, two C strides) against a double-precision dot,
+then the SiLU epilogue against libm (huge, infinite and NaN inputs too) and the MoE layer's grouped
+path (packing, epilogue, down projection) against the scalar path. On a CPU with AVX-512
+F/BW/VL/DQ a second build (-DKTK_AMX_EMULATE_WRITERS) runs the real AVX-512 row writers and exp,
+with the two AVX512-BF16 conversions emulated. The real tiles are checked on an AMX machine by
+tests/test_native_kernels.py."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ktinject.native.build import NATIVE, SOURCES
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+FLAGS = _cpu_flags()
+WRITERS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.skipif("avx2" not in FLAGS, reason="the token packing needs AVX2")
+@pytest.mark.parametrize("writers", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not WRITERS <= FLAGS, reason="the real row writers need AVX-512 F/BW/VL/DQ"))], ids=["scalar-rows", "avx512-rows"])
+def test_amx_tile_loop_emulated(tmp_path: Path, writers: bool):
+    exe = tmp_path / "amx_emulate_check"
+    srcs = [str(NATIVE / s) for s in SOURCES] + [str(NATIVE / "amx_emulate_check.c")]
+    defs = ["-DKTK_AMX_EMULATE"] + (["-DKTK_AMX_EMULATE_WRITERS"] if writers else [])
+    build = subprocess.run(["gcc", "-O1", "-std=gnu11", "-pthread", *defs, f"-I{NATIVE}", *srcs, "-lm", "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and lines and lines[-1].startswith("OK"), run.stdout[-3000:] + run.stderr[-1000:]
