@@ -1,0 +1,177 @@
+/* The AMX prefill path's parts timed apart on one thread, to set against a whole layer
+ * (`ktinject bench experts --batch 512 --isa amx`): ktk_amx_rows_bf16 (GGML rows -> tile-major
+ * bf16, 32 rows x K) from rows hot in cache and from a set far larger than it, ktk_amx_gemm on a
+ * converted block for several token counts, and the two back to back as the MoE layer runs them
+ * (BF16 rows: ktk_amx_gemm_rows, read in place).
+ * Build and run from the repository root on an AMX machine:
+ *   gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") \
+ *       -lm -o /tmp/amx_parts
+ *   /tmp/amx_parts [K]          (K: 2048, V2-Lite's gate/up; 1408 its down)
+ *   /tmp/amx_parts more         (gemm by K and placement; items on 1, 8, 16 threads at once) */
+#include "ktk_int.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+#include <time.h>
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+
+static uint8_t *random_rows(int type, int64_t K, int64_t nrows, int64_t *rb) {
+    *rb = ktk_row_bytes(type, K);
+    uint8_t *p = aligned_alloc(64, (size_t)(*rb * nrows + 63) / 64 * 64);
+    for (int64_t i = 0; i < *rb * nrows; i++) p[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
+    /* plain scales: fp16 1.0 / 0.5 in the leading d (and dmin) of every block, so no NaN or inf */
+    int64_t bs = type == KTK_Q4_K ? 144 : type == KTK_Q5_0 ? 22 : type == KTK_Q8_0 ? 34 : 0;
+    if (bs) for (int64_t r = 0; r < nrows; r++) for (int64_t o = 0; o + bs <= *rb; o += bs) {
+        uint16_t h[2] = {0x3c00, 0x3800};
+        memcpy(p + r * *rb + o, h, type == KTK_Q4_K ? 4 : 2);
+    }
+    if (type == KTK_BF16) for (int64_t i = 0; i < *rb * nrows; i += 2) p[i + 1] = 0x3f;
+    return p;
+}
+
+/* One thread of the concurrent run: its own 32 cold Q4_K row blocks, its own packed tokens (48) */
+typedef struct { int64_t K; double us; } item_job;
+
+static void *item_thread(void *arg) {
+    item_job *j = arg;
+    const int64_t K = j->K, nt = 48, ldc = 48, N = 512;
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    int64_t rb;
+    uint8_t *cr = random_rows(KTK_Q4_K, K, 32 * N, &rb);
+    uint16_t *wt = aligned_alloc(64, 32 * K * 2), *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+    float *tmp = aligned_alloc(64, K * 4), *C = aligned_alloc(64, 32 * ldc * 4), *x = malloc(nt * K * 4);
+    const float *X[48];
+    for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    for (int t = 0; t < nt; t++) X[t] = x + t * K;
+    ktk_amx_pack_x(X, nt, K, pk);
+    double best = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        double t0 = now();
+        for (int i = 0; i < N; i++) {
+            ktk_amx_rows_bf16(kern, KTK_Q4_K, cr + (int64_t)i * 32 * rb, rb, 32, K, wt, tmp);
+            ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+        }
+        double dt = (now() - t0) / N * 1e6;
+        if (dt < best) best = dt;
+    }
+    j->us = best;
+    free(cr); free(wt); free(pk); free(tmp); free(C); free(x);
+    return NULL;
+}
+
+/* "more": ktk_amx_gemm at several K and relative placements of the rows and the tokens (48 and 64
+ * tokens, hot), then convert + gemm items on 1, 8 and 16 threads at once (frequency, shared caches) */
+static int more(void) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    const int64_t Ks[] = {1024, 1408, 1536, 2048, 2304};
+    for (int ki = 0; ki < 5; ki++)
+        for (int nt = 48; nt <= 64; nt += 16)
+            for (int oi = 0; oi < 5; oi++) {
+                const int off = (int[]){0, 64, 576, 1088, 2048}[oi];
+                const int64_t K = Ks[ki], ldc = nt;
+                uint8_t *raw = aligned_alloc(4096, 32 * K * 2 + ktk_amx_pack_x_elems(nt, K) * 2 + 8192);
+                uint16_t *wt = (uint16_t *)raw, *pk = (uint16_t *)(raw + ((32 * K * 2 + 4095) / 4096 * 4096) + off);
+                float *x = malloc(nt * K * 4), *C = aligned_alloc(64, 32 * ldc * 4), *tmp = malloc(K * 4);
+                const float **X = malloc(nt * sizeof *X);
+                int64_t rb;
+                for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+                for (int t = 0; t < nt; t++) X[t] = x + t * K;
+                ktk_amx_pack_x(X, nt, K, pk);
+                uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb);
+                ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
+                double best = 1e30;
+                for (int rep = 0; rep < 5; rep++) {
+                    double t0 = now();
+                    for (int i = 0; i < 500; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+                    double dt = (now() - t0) / 500;
+                    if (dt < best) best = dt;
+                }
+                printf("gemm K=%ld tokens %d, tokens %d B past a page: %.2f us, %.3f TFLOPS\n", (long)K, nt, off, best * 1e6,
+                       2.0 * 32 * nt * K / best * 1e-12);
+                free(raw); free(x); free(C); free(tmp); free(X); free(bf);
+            }
+    const int nths[] = {1, 8, 16};
+    for (int ni = 0; ni < 3; ni++) {
+        pthread_t th[16];
+        item_job jobs[16];
+        for (int t = 0; t < nths[ni]; t++) { jobs[t].K = 2048; pthread_create(&th[t], NULL, item_thread, &jobs[t]); }
+        double sum = 0, worst = 0;
+        for (int t = 0; t < nths[ni]; t++) { pthread_join(th[t], NULL); sum += jobs[t].us; if (jobs[t].us > worst) worst = jobs[t].us; }
+        printf("items (q4_k 32 x 2048 cold, convert + gemm of 48 tokens) on %d threads at once: %.2f us mean, %.2f worst\n",
+               nths[ni], sum / nths[ni], worst);
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
+    if (argc > 1 && !strcmp(argv[1], "more")) return more();
+    const int64_t K = argc > 1 ? atoll(argv[1]) : 2048, COLD = 4096;   /* cold set: 4096 blocks of 32 rows */
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    uint16_t *wt = aligned_alloc(64, 32 * K * 2);
+    float *tmp = aligned_alloc(64, K * 4);
+    const int types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16};
+    const char *names[] = {"q4_k", "q5_0", "q8_0", "bf16"};
+    for (int ti = 0; ti < 4; ti++) {
+        int64_t rb;
+        if (types[ti] == KTK_Q4_K && K % 256) continue;
+        uint8_t *rows = random_rows(types[ti], K, 32 * COLD, &rb);
+        for (int cold = 0; cold < 2; cold++) {
+            int reps = cold ? COLD : 2000;
+            ktk_amx_rows_bf16(kern, types[ti], rows, rb, 32, K, wt, tmp);
+            double t0 = now();
+            for (int i = 0; i < reps; i++)
+                ktk_amx_rows_bf16(kern, types[ti], rows + (cold ? (int64_t)i * 32 * rb : 0), rb, 32, K, wt, tmp);
+            double dt = (now() - t0) / reps;
+            printf("rows_bf16 %s K=%ld %s: %.2f us per 32 rows, %.2f weights/ns, %.1f GB/s of rows read\n", names[ti],
+                   (long)K, cold ? "cold" : "hot ", dt * 1e6, 32.0 * K / dt * 1e-9, 32.0 * rb / dt * 1e-9);
+        }
+        free(rows);
+    }
+    const int ntoks[] = {16, 32, 48, 64, 96, 128};
+    int64_t rb;
+    uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb);
+    ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
+    for (int ni = 0; ni < 6; ni++) {
+        int64_t nt = ntoks[ni], ldc = (nt + 15) / 16 * 16;
+        float *x = malloc(nt * K * 4), *C = aligned_alloc(64, 32 * ldc * 4);
+        const float **X = malloc(nt * sizeof *X);
+        for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+        for (int64_t t = 0; t < nt; t++) X[t] = x + t * K;
+        uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+        ktk_amx_pack_x(X, nt, K, pk);
+        int reps = 2000;
+        ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+        double t0 = now();
+        for (int i = 0; i < reps; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+        double dt = (now() - t0) / reps;
+        printf("gemm 32 rows x %ld tokens, K=%ld: %.2f us, %.3f TFLOPS\n", (long)nt, (long)K, dt * 1e6,
+               2.0 * 32 * nt * K / dt * 1e-12);
+        if (nt == 48) {   /* a work item as the layer runs it: convert 32 cold rows, multiply, twice (gate, up) */
+            int type = K % 256 ? KTK_Q5_0 : KTK_Q4_K;
+            uint8_t *cr = random_rows(type, K, 32 * COLD, &rb);
+            t0 = now();
+            for (int i = 0; i < COLD; i += 2) {
+                ktk_amx_rows_bf16(kern, type, cr + (int64_t)i * 32 * rb, rb, 32, K, wt, tmp);
+                ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+                ktk_amx_rows_bf16(kern, type, cr + (int64_t)(i + 1) * 32 * rb, rb, 32, K, wt, tmp);
+                ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+            }
+            dt = (now() - t0) / COLD;
+            printf("item (%s rows cold, convert + gemm of 48 tokens), K=%ld: %.2f us per 32 rows\n",
+                   type == KTK_Q4_K ? "q4_k" : "q5_0", (long)K, dt * 1e6);
+            free(cr);
+            uint8_t *br = random_rows(KTK_BF16, K, 32 * 512, &rb);   /* BF16 rows read in place, cold */
+            t0 = now();
+            for (int i = 0; i < 512; i++) ktk_amx_gemm_rows(br + (int64_t)i * 32 * rb, rb, K, pk, nt, C, ldc);
+            dt = (now() - t0) / 512;
+            printf("item (bf16 rows cold, read in place by the tiles), K=%ld: %.2f us per 32 rows\n", (long)K, dt * 1e6);
+            free(br);
+        }
+        free(x); free(C); free(X); free(pk);
+    }
+    free(bf);
+    return 0;
+}
