@@ -7,12 +7,14 @@
  *   gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") \
  *       -lm -o /tmp/amx_parts
  *   /tmp/amx_parts [K]          (K: 2048, V2-Lite's gate/up; 1408 its down)
- *   /tmp/amx_parts more         (gemm by K and placement; items on 1, 8, 16 threads at once) */
+ *   /tmp/amx_parts more         (gemm by K and placement; items on 1, 8, 16 threads at once)
+ *   /tmp/amx_parts place        (gemm with rows and tokens at offsets in 4 KiB or huge pages) */
 #include "ktk_int.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <time.h>
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
@@ -105,8 +107,49 @@ static int more(void) {
     return 0;
 }
 
+/* "place": the GEMM (32 rows x 48 tokens, K 2048, hot) with the rows and the tokens carved out of one
+ * 64 MiB anonymous mapping, huge pages asked for or refused (madvise), at several offsets each: some
+ * separate allocations ran it 2.4x faster than others (docs/benchmarks.md, twelfth session). */
+static int place(void) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    const int64_t K = 2048, nt = 48, ldc = 48, MB = 1 << 20;
+    float *x = malloc(nt * K * 4), *tmp = malloc(K * 4), *C = aligned_alloc(64, 32 * ldc * 4);
+    const float *X[48];
+    for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    for (int t = 0; t < nt; t++) X[t] = x + t * K;
+    int64_t rb;
+    uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb);
+    for (int huge = 0; huge < 2; huge++) {
+        uint8_t *map = mmap(NULL, 64 * MB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (map == MAP_FAILED) return 1;
+        uint8_t *base = (uint8_t *)(((uintptr_t)map + 2 * MB - 1) & ~(uintptr_t)(2 * MB - 1));
+        madvise(base, 60 * MB, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+        memset(base, 0, 60 * MB);
+        const int offs[] = {0, 64, 1024, 2112, 4096 + 576};
+        for (int ai = 0; ai < 5; ai++)
+            for (int bi = 0; bi < 5; bi++) {
+                uint16_t *wt = (uint16_t *)(base + offs[ai]), *pk = (uint16_t *)(base + 8 * MB + offs[bi]);
+                ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
+                ktk_amx_pack_x(X, nt, K, pk);
+                double best = 1e30;
+                for (int rep = 0; rep < 5; rep++) {
+                    double t0 = now();
+                    for (int i = 0; i < 300; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+                    double dt = (now() - t0) / 300;
+                    if (dt < best) best = dt;
+                }
+                printf("place %s pages: rows at +%d, tokens at +%d: %.2f us, %.3f TFLOPS\n", huge ? "huge" : "4 KiB",
+                       offs[ai], offs[bi], best * 1e6, 2.0 * 32 * nt * K / best * 1e-12);
+            }
+        munmap(map, 64 * MB);
+    }
+    free(x); free(tmp); free(C); free(bf);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
+    if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     const int64_t K = argc > 1 ? atoll(argv[1]) : 2048, COLD = 4096;   /* cold set: 4096 blocks of 32 rows */
     const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
