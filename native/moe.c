@@ -30,7 +30,7 @@ struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
     const ktk_kernels *K;
-    int amx, isa, tile_min, busy, prefetch, multirow;
+    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place;
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -55,17 +55,6 @@ static void *grow(void *ptr, size_t *cap, size_t need, size_t elem, int *fail) {
     void *q = realloc(ptr, need * elem);
     if (!q) { *fail = 1; return ptr; }
     return q;
-}
-
-/* A knob read once ($name: an integer; unset: dflt). Workers may race to the first read: each stores the
- * same value, through relaxed atomics. */
-static int64_t knob(const char *name, int64_t dflt, int64_t *cache, int *read) {
-    if (!__atomic_load_n(read, __ATOMIC_ACQUIRE)) {
-        const char *e = getenv(name);
-        __atomic_store_n(cache, e ? atoll(e) : dflt, __ATOMIC_RELAXED);
-        __atomic_store_n(read, 1, __ATOMIC_RELEASE);
-    }
-    return __atomic_load_n(cache, __ATOMIC_RELAXED);
 }
 
 /* The packed tokens, page-aligned so that every 64-byte tile row is one cache line (realloc's blocks
@@ -116,6 +105,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (m->prefetch < 0 || m->prefetch > 3) m->prefetch = 1;   /* an item has 4-8 calls per stream */
         s = getenv("KTINJECT_MULTIROW");   /* 0: decode with the one-row dots (A/B of the kernels) */
         m->multirow = s ? atoi(s) : 1;
+        s = getenv("KTINJECT_AMX_BF16_IN_PLACE");   /* 0: BF16 rows copied to tile-major like the others (A/B) */
+        m->bf16_in_place = !(s && s[0] == '0');
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {
@@ -163,19 +154,12 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
     s->ct = RC; s->cr = 1;
 }
 
-/* $KTINJECT_AMX_BF16_IN_PLACE=0: BF16 rows copied to tile-major first like the other types (A/B only) */
-static int amx_bf16_in_place(void) {
-    static int64_t v;
-    static int read;
-    return knob("KTINJECT_AMX_BF16_IN_PLACE", 1, &v, &read) != 0;
-}
-
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
  * the tile GEMM against the expert's packed tokens. */
 static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
                         const uint16_t *pk, int64_t nt, float *C) {
     int64_t ldc = (nt + 15) / 16 * 16;
-    if (type == KTK_BF16 && amx_bf16_in_place()) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
+    if (type == KTK_BF16 && m->bf16_in_place) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
     else {
         ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
         ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
