@@ -47,6 +47,7 @@ struct ktk_pool {
     void **scratch;
     size_t *scratch_size;
     long spin_ns;
+    int64_t claim_n;                    /* items taken per claim ($KTINJECT_POOL_CLAIM, 1-64; 1 by default) */
     /* trace (KTINJECT_POOL_TRACE): times of the current job, sums since the last read */
     int trace;
     long t_post, t_done, t_phase[MAX_PHASES];
@@ -87,16 +88,23 @@ static void trace_start(ktk_pool *p, int tid) {
     }
 }
 
-/* Claim the next item of phase `ph` of job `g`: its index, -1 when the phase has none left,
- * -2 when job g is no longer the posted one (a newer job reset the counter). */
-static int64_t claim_item(ktk_pool *p, int ph, uint32_t g) {
+/* Claim the next items of phase `ph` of job `g` (up to claim_n consecutive ones, *count of them):
+ * the first one's index, -1 when the phase has none left, -2 when job g is no longer the posted one
+ * (a newer job reset the counter). Consecutive items are neighbours in the caller's work (the MoE
+ * layer: row chunks of one expert), so taking several at once keeps their shared inputs in one
+ * worker's cache. */
+static int64_t claim_item(ktk_pool *p, int ph, uint32_t g, int64_t *count) {
     uint64_t v = atomic_load_explicit(&p->claim[ph], memory_order_acquire);
     for (;;) {
         if ((uint32_t)(v >> 32) != g) return -2;
-        int64_t i = (int64_t)(uint32_t)v;
-        if (i >= atomic_load_explicit(&p->items[ph], memory_order_relaxed)) return -1;
-        if (atomic_compare_exchange_weak_explicit(&p->claim[ph], &v, v + 1, memory_order_acq_rel, memory_order_acquire))
+        int64_t i = (int64_t)(uint32_t)v, n = atomic_load_explicit(&p->items[ph], memory_order_relaxed);
+        if (i >= n) return -1;
+        int64_t take = p->claim_n < n - i ? p->claim_n : n - i;   /* i + take <= n <= INT32_MAX: no carry */
+        if (atomic_compare_exchange_weak_explicit(&p->claim[ph], &v, v + (uint64_t)take, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            *count = take;
             return i;
+        }
     }
 }
 
@@ -116,10 +124,11 @@ static void run_job(ktk_pool *p, int tid, uint32_t g) {
     if (p->trace && atomic_load(&p->gen) == g) trace_start(p, tid);
     int nphase = atomic_load_explicit(&p->nphase, memory_order_relaxed);
     for (int ph = 0; ph < nphase; ph++) {
-        int64_t i;
-        while ((i = claim_item(p, ph, g)) >= 0) {
-            p->fn(p->ctx, ph, i, tid);          /* job g stays posted until this item is counted */
-            int64_t c = atomic_fetch_add_explicit(&p->completed[ph], 1, memory_order_acq_rel) + 1;
+        int64_t i, cnt;
+        while ((i = claim_item(p, ph, g, &cnt)) >= 0) {
+            for (int64_t j = i; j < i + cnt; j++)
+                p->fn(p->ctx, ph, j, tid);      /* job g stays posted until these items are counted */
+            int64_t c = atomic_fetch_add_explicit(&p->completed[ph], cnt, memory_order_acq_rel) + cnt;
             if (p->trace && c == atomic_load_explicit(&p->items[ph], memory_order_relaxed)) p->t_phase[ph] = now_ns();
         }
         if (i == -2) return;                    /* a newer job: nothing of g is left to do */
@@ -205,6 +214,9 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     p->spin_ns = (s ? atol(s) : 1000) * 1000L;
     s = getenv("KTINJECT_POOL_TRACE");
     p->trace = s && *s && *s != '0';
+    s = getenv("KTINJECT_POOL_CLAIM");
+    p->claim_n = s ? atol(s) : 1;
+    if (p->claim_n < 1 || p->claim_n > 64) p->claim_n = 1;
     if (!p->th || !p->cpu || !p->scratch || !p->scratch_size || !p->late_by) { ktk_pool_free(p); return NULL; }
     if (pin && nthreads < ncpu)
         for (int c = nthreads; c < ncpu && p->nspare < 64; c++) p->spare[p->nspare++] = cpus[c];

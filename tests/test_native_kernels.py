@@ -176,6 +176,21 @@ def test_thread_counts_agree(threads):
     assert torch.equal(base, got)
 
 
+@pytest.mark.parametrize("claim", ["3", "64"])
+def test_claims_of_several_items_agree(claim, monkeypatch):
+    """$KTINJECT_POOL_CLAIM (items taken per claim, read at pool creation; an A/B knob of the prefill
+    layer) changes which worker runs an item, not the result: bit for bit the one-item claims', at
+    decode and batch, on an oversubscribed pool, job after job."""
+    (gate, up, down), _ = moe_case(QT.Q8_0, QT.Q8_0, seed=3)
+    base = native.MoEKernel(gate, up, down, threads=2)
+    monkeypatch.setenv("KTINJECT_POOL_CLAIM", claim)
+    got = native.MoEKernel(gate, up, down, pool=native.Pool(8, pin=False))
+    for T in (1, 33, 2, 80):
+        x = torch.randn(T, 256)
+        ids, w = _routing(T, 8, 2, seed=T)
+        assert torch.equal(base(x, ids, w), got(x, ids, w)), (claim, T)
+
+
 def test_submit_sync_matches_forward():
     (gate, up, down), _ = moe_case(QT.Q4_0, QT.Q4_0, seed=4)
     kern = native.MoEKernel(gate, up, down, threads=2)
