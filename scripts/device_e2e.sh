@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -181,6 +181,20 @@ if [[ $steps == *" amx "* ]]; then   # the AMX grouped (prefill) path: its tests
   timeout -s KILL 60 python3 scripts/trace_layer.py q4_k 512 amx --threads 16 2>&1 | tail -1
   timeout -s KILL 90 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 --gib 2 --probe-gib 1 \
     --seconds 2 --isa avx512 --json 2>/dev/null | tee -a "$OUT/amx.jsonl" | cut -c1-300
+fi
+if [[ $steps == *" amxab "* ]]; then   # open questions of the AMX layer (docs/benchmarks.md, twelfth session): the
+  # tile GEMM by buffer placement and page size, then the layer with several items per claim, alternating
+  gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
+    -o /tmp/amx_parts 2>/dev/null && timeout 60 /tmp/amx_parts place | tee "$OUT/amx_place.txt"
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for c in ${AMX_CLAIMS:-1 4 11}; do
+      KTINJECT_POOL_CLAIM=$c timeout -s KILL 40 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 \
+        --gib 2 --probe-gib 0.25 --seconds 1.5 --isa amx --json 2>/dev/null | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith('{') else None
+    print('claim $c', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/amx_claim.txt"
+    done
+  done
 fi
 if [[ $steps == *" fp8 "* ]]; then   # linear_fp8's gpu tests (scaled_mm and the fp8 GEMV), then bench_gpu's fp8 and int4
   timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4
