@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ktinject.errors import LoadError, WeightError
 from ktinject.operators import BuildContext, get
-from ktinject.operators.kernels.fp8_triton import launch_config
+from ktinject.operators.kernels.fp8_triton import launch_config, slices
 from ktinject.operators.linear_fp8 import FP8, Fp8Linear, Fp8Options, dequantize_blockwise
 from ktinject.testing import run_in_triton_interpreter
 
@@ -141,6 +141,16 @@ def test_fp8_gemv_in_interpreter():
     run_in_triton_interpreter(_INTERP_GEMV)
 
 
+def test_split_note_says_where_k_is_split():
+    from ktinject.operators.kernels.fp8_triton import split_note
+    assert split_note(4096, 4096) == ""                                   # K 4096: never split
+    assert split_note(576, 7168) == "K slices 4 at 2-16 rows (fp32 atomics: the last bits vary run to run)"
+    assert split_note(7168, 16384, max_rows=4).startswith("K slices 4 at one row, 4 at 2-4 rows")
+    assert split_note(576, 7168, max_rows=1) == "" and split_note(576, 7168, split_k=1) == ""
+    assert split_note(100, 1024, split_k=2, max_rows=2) == \
+        "K slices 2 at 2 rows (fp32 atomics: the last bits vary run to run)"    # one row: one 1024-wide step, no split
+
+
 def test_gemv_backend_off_cuda_and_options():
     mod = Fp8Linear.from_weight(torch.randn(16, 64), options=Fp8Options(backend="gemv"))
     assert mod.path(1) == "torch" and "path=torch" in repr(mod)     # no Triton GEMV on the CPU: the math
@@ -171,7 +181,7 @@ def test_gpu_fp8_gemv_matches_math(rows, shape):
         out = mod(x)
     graph.replay()
     torch.cuda.synchronize()
-    if launch_config(rows, n, k).split > 1:      # K slices added by atomics: the last bits vary run to run
+    if slices(launch_config(rows, n, k), k)[1] > 1:      # K slices added by atomics: the last bits vary run to run
         assert sqnr(F.linear(x.float(), ref_w, bias.cuda()), out.float()) > 25
     else:
         assert torch.equal(out, got)

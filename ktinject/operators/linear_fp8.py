@@ -189,4 +189,9 @@ class Fp8Linear(Operator):
 
     def _paths_label(self) -> str:
         one, past = self.path(1), self.path(self.options.gemv_max_batch + 1)
-        return one if one == past else f"{one} at <= {self.options.gemv_max_batch} rows, {past} above"
+        label = one if one == past else f"{one} at <= {self.options.gemv_max_batch} rows, {past} above"
+        if one == "gemv":
+            from .kernels.fp8_triton import split_note
+            note = split_note(self.out_features, self.in_features, self.options.gemv_split_k, self.options.gemv_max_batch)
+            label += f"; gemv {note}" if note else ""
+        return label

@@ -122,6 +122,22 @@ def launch_config(m: int, n: int, k: int, split_k: int = 0) -> Launch:
     return Launch(DOT, 16, 32, block_k, 4, 3, split_k or (4 if k >= 6144 else 1))
 
 
+def slices(lc: Launch, k: int) -> tuple[int, int]:
+    """(K values a slice, slices) of launch `lc` over K: whole BLOCK_K steps a slice, the last maybe shorter,
+    so a split of K into fewer steps than asked for takes fewer slices."""
+    k_per = -(-k // (lc.split * lc.block_k)) * lc.block_k
+    return k_per, -(-k // k_per)
+
+
+def split_note(n: int, k: int, split_k: int = 0, max_rows: int = MAX_M) -> str:
+    """Where launches of an [N, K] weight split K (for `linear_fp8`'s repr), "" where none does: such
+    results are not bit-reproducible, the slices' fp32 atomics adding in any order."""
+    one, more = (slices(launch_config(m, n, k, split_k), k)[1] for m in (1, 2))
+    parts = ([f"{one} at one row"] if one > 1 else []) + \
+        ([f"{more} at 2-{max_rows} rows" if max_rows > 2 else f"{more} at 2 rows"] if more > 1 and max_rows > 1 else [])
+    return f"K slices {', '.join(parts)} (fp32 atomics: the last bits vary run to run)" if parts else ""
+
+
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
              split_k: int = 0, launch: Launch | None = None) -> torch.Tensor:
     """y = (x @ w.float().T) * scale (+ bias) for x [M <= 16, K] bf16/fp16/fp32, w float8_e4m3fn [N, K], scale
@@ -151,8 +167,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
             or not 1 <= lc.split <= MAX_SPLIT:
         raise ValueError(f"launch {lc} does not fit {m} rows")
     bias = bias.to(x.dtype).contiguous() if bias is not None else None
-    k_per = -(-k // (lc.split * lc.block_k)) * lc.block_k             # whole blocks a slice; the last may be shorter
-    split = -(-k // k_per)
+    k_per, split = slices(lc, k)
     y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if split > 1 else \
         torch.empty((m, n), device=x.device, dtype=x.dtype)
     _kernel()[(-(-n // lc.block_n), split)](x, w, scale, bias if bias is not None else scale, y, m, n, k, k_per,
