@@ -135,6 +135,11 @@ static void amx_config(void) {
  * before the tile stores. A compiler barrier before and after the tile loops. */
 #define AMX_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
 
+/* the 32 rows' 64 bytes of one k-step, its A tiles at A and A + a_rt, rows a_stride bytes apart */
+static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride) {
+    for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(A + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+}
+
 /* The tile loops. A tile (row tile rt of the 32 rows, k-step ks) at A + ks * a_ks + rt * a_rt values, its
  * 16 rows a_stride bytes apart: the tile-major rows that ktk_amx_rows_bf16 writes (1024, 512, 64), or
  * BF16 weight rows read in place (32, 8 * rb, rb). `pf`: prefetch the A rows that many k-steps ahead in
@@ -152,9 +157,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
         if (tt + 1 < ntt) {
             _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
-                if (pf && ks + pf < KS)
-                    for (int r = 0; r < 32; r++)
-                        _mm_prefetch((const char *)(A + (ks + pf) * a_ks + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+                if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
@@ -168,9 +171,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
             _tile_stored(3, c1 + 16, ldc * 4);
         } else {
             for (int64_t ks = 0; ks < KS; ks++) {
-                if (pf && ks + pf < KS)
-                    for (int r = 0; r < 32; r++)
-                        _mm_prefetch((const char *)(A + (ks + pf) * a_ks + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+                if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);

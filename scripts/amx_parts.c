@@ -33,6 +33,28 @@ static uint8_t *random_rows(int type, int64_t K, int64_t nrows, int64_t *rb) {
     return p;
 }
 
+/* nt tokens of K values (x, which the caller frees) and their row pointers in X[0 .. nt) */
+static float *tokens(int64_t nt, int64_t K, const float **X) {
+    float *x = malloc((size_t)(nt * K) * 4);
+    for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    for (int64_t t = 0; t < nt; t++) X[t] = x + t * K;
+    return x;
+}
+
+/* seconds per ktk_amx_gemm call: the best of `reps` timings of `iters` back-to-back calls */
+static double gemm_time(const uint16_t *wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,
+                        int iters, int reps) {
+    ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+    double best = 1e30;
+    for (int rep = 0; rep < reps; rep++) {
+        double t0 = now();
+        for (int i = 0; i < iters; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+        double dt = (now() - t0) / iters;
+        if (dt < best) best = dt;
+    }
+    return best;
+}
+
 /* One thread of the concurrent run: its own 32 cold Q4_K row blocks, its own packed tokens (48) */
 typedef struct { int64_t K; double us; } item_job;
 
@@ -43,10 +65,9 @@ static void *item_thread(void *arg) {
     int64_t rb;
     uint8_t *cr = random_rows(KTK_Q4_K, K, 32 * N, &rb);
     uint16_t *wt = aligned_alloc(64, 32 * K * 2), *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
-    float *tmp = aligned_alloc(64, K * 4), *C = aligned_alloc(64, 32 * ldc * 4), *x = malloc(nt * K * 4);
+    float *tmp = aligned_alloc(64, K * 4), *C = aligned_alloc(64, 32 * ldc * 4);
     const float *X[48];
-    for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
-    for (int t = 0; t < nt; t++) X[t] = x + t * K;
+    float *x = tokens(nt, K, X);
     ktk_amx_pack_x(X, nt, K, pk);
     double best = 1e30;
     for (int rep = 0; rep < 3; rep++) {
@@ -75,21 +96,14 @@ static int more(void) {
                 const int64_t K = Ks[ki], ldc = nt;
                 uint8_t *raw = aligned_alloc(4096, 32 * K * 2 + ktk_amx_pack_x_elems(nt, K) * 2 + 8192);
                 uint16_t *wt = (uint16_t *)raw, *pk = (uint16_t *)(raw + ((32 * K * 2 + 4095) / 4096 * 4096) + off);
-                float *x = malloc(nt * K * 4), *C = aligned_alloc(64, 32 * ldc * 4), *tmp = malloc(K * 4);
+                float *C = aligned_alloc(64, 32 * ldc * 4), *tmp = malloc(K * 4);
                 const float **X = malloc(nt * sizeof *X);
+                float *x = tokens(nt, K, X);
                 int64_t rb;
-                for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
-                for (int t = 0; t < nt; t++) X[t] = x + t * K;
                 ktk_amx_pack_x(X, nt, K, pk);
                 uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb);
                 ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
-                double best = 1e30;
-                for (int rep = 0; rep < 5; rep++) {
-                    double t0 = now();
-                    for (int i = 0; i < 500; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
-                    double dt = (now() - t0) / 500;
-                    if (dt < best) best = dt;
-                }
+                const double best = gemm_time(wt, K, pk, nt, C, ldc, 500, 5);
                 printf("gemm K=%ld tokens %d, tokens %d B past a page: %.2f us, %.3f TFLOPS\n", (long)K, nt, off, best * 1e6,
                        2.0 * 32 * nt * K / best * 1e-12);
                 free(raw); free(x); free(C); free(tmp); free(X); free(bf);
@@ -113,10 +127,9 @@ static int more(void) {
 static int place(void) {
     const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
     const int64_t K = 2048, nt = 48, ldc = 48, MB = 1 << 20;
-    float *x = malloc(nt * K * 4), *tmp = malloc(K * 4), *C = aligned_alloc(64, 32 * ldc * 4);
+    float *tmp = malloc(K * 4), *C = aligned_alloc(64, 32 * ldc * 4);
     const float *X[48];
-    for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
-    for (int t = 0; t < nt; t++) X[t] = x + t * K;
+    float *x = tokens(nt, K, X);
     int64_t rb;
     uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb);
     for (int huge = 0; huge < 2; huge++) {
@@ -131,13 +144,7 @@ static int place(void) {
                 uint16_t *wt = (uint16_t *)(base + offs[ai]), *pk = (uint16_t *)(base + 8 * MB + offs[bi]);
                 ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
                 ktk_amx_pack_x(X, nt, K, pk);
-                double best = 1e30;
-                for (int rep = 0; rep < 5; rep++) {
-                    double t0 = now();
-                    for (int i = 0; i < 300; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
-                    double dt = (now() - t0) / 300;
-                    if (dt < best) best = dt;
-                }
+                const double best = gemm_time(wt, K, pk, nt, C, ldc, 300, 5);
                 printf("place %s pages: rows at +%d, tokens at +%d: %.2f us, %.3f TFLOPS\n", huge ? "huge" : "4 KiB",
                        offs[ai], offs[bi], best * 1e6, 2.0 * 32 * nt * K / best * 1e-12);
             }
@@ -179,17 +186,12 @@ int main(int argc, char **argv) {
     ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
     for (int ni = 0; ni < 6; ni++) {
         int64_t nt = ntoks[ni], ldc = (nt + 15) / 16 * 16;
-        float *x = malloc(nt * K * 4), *C = aligned_alloc(64, 32 * ldc * 4);
+        float *C = aligned_alloc(64, 32 * ldc * 4);
         const float **X = malloc(nt * sizeof *X);
-        for (int64_t i = 0; i < nt * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
-        for (int64_t t = 0; t < nt; t++) X[t] = x + t * K;
+        float *x = tokens(nt, K, X);
         uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
         ktk_amx_pack_x(X, nt, K, pk);
-        int reps = 2000;
-        ktk_amx_gemm(wt, K, pk, nt, C, ldc);
-        double t0 = now();
-        for (int i = 0; i < reps; i++) ktk_amx_gemm(wt, K, pk, nt, C, ldc);
-        double dt = (now() - t0) / reps;
+        double dt = gemm_time(wt, K, pk, nt, C, ldc, 2000, 1), t0;
         printf("gemm 32 rows x %ld tokens, K=%ld: %.2f us, %.3f TFLOPS\n", (long)nt, (long)K, dt * 1e6,
                2.0 * 32 * nt * K / dt * 1e-12);
         if (nt == 48) {   /* a work item as the layer runs it: convert 32 cold rows, multiply, twice (gate, up) */

@@ -114,6 +114,8 @@ _INTERP_GEMV = textwrap.dedent("""
                        (lambda: fp8_gemv(torch.randn(1, 64), q[:, :64].contiguous(), s, split_k=17), "split_k"),
                        (lambda: fp8_gemv(torch.randn(3, 64), q[:, :64].contiguous(), s,
                                          launch=Launch(ROW, 1, 4, 64, 4, 1, 1)), "does not fit 3 rows"),
+                       (lambda: fp8_gemv(torch.randn(1, 64), q[:, :64].contiguous(), s,
+                                         launch=Launch(ROW, 1, 6, 64, 4, 1, 1)), "powers of two"),
                        (lambda: fp8_gemv(torch.randn(17, 64), q[:, :64].contiguous(), s), "1 to 16 rows"),
                        (lambda: fp8_gemv(torch.randn(1, 200), q, s[:3]), "scale")]:
         try:

@@ -191,6 +191,13 @@ def test_claims_of_several_items_agree(claim, monkeypatch):
         assert torch.equal(base(x, ids, w), got(x, ids, w)), (claim, T)
 
 
+@pytest.mark.parametrize("bad", ["0", "65", "4x", "-2"])
+def test_bad_claim_count_is_refused(bad, monkeypatch):
+    monkeypatch.setenv("KTINJECT_POOL_CLAIM", bad)
+    with pytest.raises(native.NativeError, match=f"KTINJECT_POOL_CLAIM='{bad}'.*1-64"):
+        native.Pool(2)
+
+
 def test_submit_sync_matches_forward():
     (gate, up, down), _ = moe_case(QT.Q4_0, QT.Q4_0, seed=4)
     kern = native.MoEKernel(gate, up, down, threads=2)

@@ -109,7 +109,7 @@ def launch_config(m: int, n: int, k: int, split_k: int = 0) -> Launch:
       bytes in flight (kv_a_proj 576 x 7168: 8.6 -> 5.4 us; splitting K instead reached 6.3). Rows of
       K >= 16384 split K in 4 (o_proj 7168 x 16384: 48.7 -> 38.8 us: the grid's last wave was ragged).
     * 2-16 rows: tl.dot on 32 rows x 256 a step (rows padded to 16), K split in 4 where K >= 6144 (every
-      shape of K 7168 or 16384 gained 7-60%; those of K <= 4096 lost). Shrinking to 16 rows for a bigger
+      shape of K 7168 or 16384 gained from it; those of K <= 4096 lost). Shrinking to 16 rows for a bigger
       grid, the first rule, was 1.5-2.3x slower; multiply-adds instead of tl.dot (2-8 rows) never won."""
     if m == 1:
         block_n = 16
@@ -133,8 +133,11 @@ def split_note(n: int, k: int, split_k: int = 0, max_rows: int = MAX_M) -> str:
     """Where launches of an [N, K] weight split K (for `linear_fp8`'s repr), "" where none does: such
     results are not bit-reproducible, the slices' fp32 atomics adding in any order."""
     one, more = (slices(launch_config(m, n, k, split_k), k)[1] for m in (1, 2))
-    parts = ([f"{one} at one row"] if one > 1 else []) + \
-        ([f"{more} at 2-{max_rows} rows" if max_rows > 2 else f"{more} at 2 rows"] if more > 1 and max_rows > 1 else [])
+    parts = []
+    if one > 1:
+        parts.append(f"{one} at one row")
+    if more > 1 and max_rows > 1:
+        parts.append(f"{more} at 2-{max_rows} rows" if max_rows > 2 else f"{more} at 2 rows")
     return f"K slices {', '.join(parts)} (fp32 atomics: the last bits vary run to run)" if parts else ""
 
 
@@ -166,6 +169,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     if lc.mode not in (ROW, DOT) or lc.block_m < m or (lc.mode == ROW) != (lc.block_m == 1) \
             or not 1 <= lc.split <= MAX_SPLIT:
         raise ValueError(f"launch {lc} does not fit {m} rows")
+    if any(v < 1 or v & (v - 1) for v in (lc.block_m, lc.block_n, lc.block_k, lc.warps)) or lc.stages < 1:
+        raise ValueError(f"launch {lc}: blocks and warps must be powers of two, stages >= 1")
     bias = bias.to(x.dtype).contiguous() if bias is not None else None
     k_per, split = slices(lc, k)
     y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if split > 1 else \
