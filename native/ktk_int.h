@@ -146,6 +146,12 @@ void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes);   /* per-thread scra
  * descheduled, and a worker that waited out a gap between layers then starts the next layer
  * late (an A/B knob for the lent machine; the default keeps PAUSE). */
 extern int ktk_spin_pause;
+#if defined(KTK_LAYER_TRACE)
+#define KTK_LAYER_TRACE_T 64
+/* cycles per worker: [0] gate/up rows to bf16, [1] their tile GEMMs, [2] SiLU and h stores, [3] down rows
+ * to bf16, [4] their GEMMs, [5] the weighted sums into out, [6] packing tokens, [7] packing h */
+extern uint64_t ktk_layer_tr[KTK_LAYER_TRACE_T][8];
+#endif
 static inline void ktk_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     if (ktk_spin_pause) { __builtin_ia32_pause(); return; }

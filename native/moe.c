@@ -26,6 +26,16 @@
 #define RC 32
 #define DG 4   /* rows per multi-row dot call on the decode path (divides RC / 2) */
 
+#if defined(KTK_LAYER_TRACE)   /* scripts/amx_parts.c "layer" only: TSC cycles per thread and part (ktk_int.h) */
+#include <x86intrin.h>
+uint64_t ktk_layer_tr[KTK_LAYER_TRACE_T][8];
+#define TR_START() uint64_t tr_t0 = __rdtsc()
+#define TR_ADD(tid, part) do { uint64_t tr_t1 = __rdtsc(); ktk_layer_tr[tid][part] += tr_t1 - tr_t0; tr_t0 = tr_t1; } while (0)
+#else
+#define TR_START() do { } while (0)
+#define TR_ADD(tid, part) do { } while (0)
+#endif
+
 struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
@@ -157,14 +167,18 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
  * the tile GEMM against the expert's packed tokens. */
 static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
-                        const uint16_t *pk, int64_t nt, float *C) {
+                        const uint16_t *pk, int64_t nt, float *C, int tid, int part) {
     int64_t ldc = (nt + 15) / 16 * 16;
+    TR_START();
     if (type == KTK_BF16 && m->bf16_in_place) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
     else {
         ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
+        TR_ADD(tid, part);
         ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
     }
+    TR_ADD(tid, part + 1);
     s->ct = 1; s->cr = ldc;
+    (void)tid; (void)part;
 }
 
 static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
@@ -177,18 +191,20 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (!s.wf) return;
         if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
-            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0);
-            grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1);
+            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, tid, 0);
+            grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, tid, 0);
         } else {
             grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, n, s.c0);
             grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, n, s.c1);
         }
         if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
+            TR_START();
             ktk_amx_silu_mul(s.c0, s.c1, s.cr, RC);
             for (int64_t j = 0; j < n; j++) {
                 float *hr = m->h + (base + j) * I + r0;
                 for (int r = 0; r < RC; r++) hr[r] = s.c0[j + r * s.cr];
             }
+            TR_ADD(tid, 2);
         } else {
             for (int64_t j = 0; j < n; j++) {
                 float *hr = m->h + (base + j) * I + r0;
@@ -308,15 +324,17 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             if (!s.wf) s = get_scratch(m, tid);
             if (!s.wf) return;
             if (m->amx) {
-                grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0);
+                grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0, tid, 3);
             } else {
                 grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base, n, s.c0);
             }
+            TR_START();
             for (int64_t j = 0; j < n; j++) {
                 float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
                 const float *c = s.c0 + j * s.ct;
                 for (int r = 0; r < RC; r++) o[r] += wv * c[r * s.cr];
             }
+            TR_ADD(tid, 5);
             continue;
         }
         if (d->down_r16) continue;   /* done above */
@@ -353,7 +371,9 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
     case 0:
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
         { int64_t e = m->tile_list[item - m->nq0];
-          ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H); }
+          TR_START();
+          ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+          TR_ADD(tid, 6); }
         break;
     case 1: phase_gate_up(m, item, tid); break;
     case 2:
@@ -364,7 +384,9 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
             break;
         }
         { int64_t e = m->tile_list[item - m->nplain];
-          ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I); }
+          TR_START();
+          ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
+          TR_ADD(tid, 7); }
         break;
     default: phase_down(m, item, tid); break;
     }

@@ -8,7 +8,9 @@
  *       -lm -o /tmp/amx_parts
  *   /tmp/amx_parts [K]          (K: 2048, V2-Lite's gate/up; 1408 its down)
  *   /tmp/amx_parts more         (gemm by K and placement; items on 1, 8, 16 threads at once)
- *   /tmp/amx_parts place        (gemm with rows and tokens at offsets in 4 KiB or huge pages) */
+ *   /tmp/amx_parts place        (gemm with rows and tokens at offsets in 4 KiB or huge pages)
+ * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
+ *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #include "ktk_int.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -154,8 +156,74 @@ static int place(void) {
     return 0;
 }
 
+#if defined(KTK_LAYER_TRACE)
+#include <x86intrin.h>
+/* "layer": one DeepSeek-V2-Lite MoE layer (64 experts of 1408, Q4_K gate/up, Q5_0 down, top-6) at
+ * batch 512 on the AMX path, random and balanced routing (every expert 48 tokens); per call: its
+ * wall time, and each part's time summed in moe.c's counters, as a mean over the workers. */
+static int layer(int nthreads) {
+    const int64_t E = 64, H = 2048, I = 1408, T = 512, k = 6, CALLS = 20;
+    int64_t rbh, rbi;
+    uint8_t *g = random_rows(KTK_Q4_K, H, E * I, &rbh), *u = random_rows(KTK_Q4_K, H, E * I, &rbh);
+    uint8_t *dn = random_rows(KTK_Q5_0, I, E * H, &rbi);
+    ktk_moe_desc d = {KTK_Q4_K, KTK_Q4_K, KTK_Q5_0, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
+    int err = 0;
+    ktk_moe *m = ktk_moe_new(&d, &err);
+    ktk_pool *pool = ktk_pool_new(nthreads, 1);
+    if (!m || !pool) { fprintf(stderr, "layer: moe_new %d or pool failed\n", err); return 1; }
+    const float **X = malloc((size_t)T * sizeof *X);
+    float *x = tokens(T, H, X), *out = malloc((size_t)(T * H) * 4), *w = malloc((size_t)(T * k) * 4);
+    int64_t *ids = malloc((size_t)(T * k) * 8);
+    double c0 = now(); uint64_t s0 = __rdtsc();
+    while (now() - c0 < 0.2) { }
+    const double ghz = (double)(__rdtsc() - s0) / (now() - c0) * 1e-9;
+    static const char *names[8] = {"gate/up rows->bf16", "gate/up tile GEMM", "SiLU + h stores", "down rows->bf16",
+                                   "down tile GEMM", "down weighted sums", "pack tokens", "pack h"};
+    for (int balanced = 0; balanced < 2; balanced++) {
+        uint64_t r = 88172645463325252ull;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < k; j++) {
+                int64_t e;
+                if (balanced) e = (t * k + j) % E;
+                else for (;;) {   /* k distinct experts, xorshift */
+                    r ^= r << 13; r ^= r >> 7; r ^= r << 17;
+                    e = (int64_t)(r % (uint64_t)E);
+                    int dup = 0;
+                    for (int64_t q = 0; q < j; q++) dup |= ids[t * k + q] == e;
+                    if (!dup) break;
+                }
+                ids[t * k + j] = e; w[t * k + j] = 1.f / k;
+            }
+        for (int i = 0; i < 3; i++) ktk_moe_forward(m, pool, KTK_ISA_AMX, T, k, x, ids, w, out);
+        memset(ktk_layer_tr, 0, sizeof ktk_layer_tr);
+        double t0 = now();
+        for (int i = 0; i < CALLS; i++)
+            if (ktk_moe_forward(m, pool, KTK_ISA_AMX, T, k, x, ids, w, out)) { fprintf(stderr, "forward failed\n"); return 1; }
+        double wall = (now() - t0) / CALLS * 1e3, busy = 0;
+        int n = ktk_pool_threads(pool);
+        printf("layer %s routing, %d threads: %.2f ms per call (TSC %.2f GHz)\n", balanced ? "balanced" : "random", n, wall, ghz);
+        for (int p = 0; p < 8; p++) {
+            double sum = 0, mx = 0;
+            for (int t = 0; t < n && t < KTK_LAYER_TRACE_T; t++) {
+                double v = ktk_layer_tr[t][p] / ghz * 1e-6 / CALLS;
+                sum += v; if (v > mx) mx = v;
+            }
+            busy += sum / n;
+            printf("  %-20s %6.2f ms a worker (max %.2f)\n", names[p], sum / n, mx);
+        }
+        printf("  %-20s %6.2f ms a worker of %.2f\n", "all parts", busy, wall);
+    }
+    ktk_moe_free(m); ktk_pool_free(pool);
+    free(g); free(u); free(dn); free(x); free(X); free(out); free(w); free(ids);
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
+#if defined(KTK_LAYER_TRACE)
+    if (argc > 1 && !strcmp(argv[1], "layer")) return layer(argc > 2 ? atoi(argv[2]) : 16);
+#endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     const int64_t K = argc > 1 ? atoll(argv[1]) : 2048, COLD = 4096;   /* cold set: 4096 blocks of 32 rows */
