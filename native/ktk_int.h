@@ -123,6 +123,10 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp);
 void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows);
+/* C [rows][ldc] (rows % 8 == 0, ldc >= n rounded up to 8) to token rows: for j < n, row
+ * out + (idx ? idx[j] : j) * stride gets C[0 .. rows)[j], stored (wv NULL) or added times wv[j] */
+void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *out, const int64_t *idx,
+                       int64_t stride, const float *wv);
 
 /* R16 (r16.c): out[p * 16 + r] = dot(row r of the group at g[p], activation record xq[p]) for
  * p < P <= KTK_R16_P (the pairs' blocks read in lockstep: P streams in flight); the AVX-512 VNNI

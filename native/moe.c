@@ -200,10 +200,7 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
             TR_START();
             ktk_amx_silu_mul(s.c0, s.c1, s.cr, RC);
-            for (int64_t j = 0; j < n; j++) {
-                float *hr = m->h + (base + j) * I + r0;
-                for (int r = 0; r < RC; r++) hr[r] = s.c0[j + r * s.cr];
-            }
+            ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->h + base * I + r0, NULL, I, NULL);
             TR_ADD(tid, 2);
         } else {
             for (int64_t j = 0; j < n; j++) {
@@ -329,11 +326,13 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
                 grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base, n, s.c0);
             }
             TR_START();
-            for (int64_t j = 0; j < n; j++) {
-                float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
-                const float *c = s.c0 + j * s.ct;
-                for (int r = 0; r < RC; r++) o[r] += wv * c[r * s.cr];
-            }
+            if (m->amx) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->out + r0, m->tok + base, H, m->wt + base);
+            else
+                for (int64_t j = 0; j < n; j++) {
+                    float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
+                    const float *c = s.c0 + j * s.ct;
+                    for (int r = 0; r < RC; r++) o[r] += wv * c[r * s.cr];
+                }
             TR_ADD(tid, 5);
             continue;
         }
