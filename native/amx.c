@@ -161,15 +161,24 @@ static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride)
     for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(A + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
 }
 
+/* the bytes [p, p + n) of a region ending at end, into L2 */
+static inline void prefetch_next(const uint8_t *p, int64_t n, const uint8_t *end) {
+    for (int64_t o = 0; o < n && p + o < end; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
+}
+
 /* The tile loops. A tile (row tile rt of the 32 rows, k-step ks) at A + ks * a_ks + rt * a_rt values, its
  * 16 rows a_stride bytes apart: the tile-major rows that ktk_amx_rows_bf16 writes (1024, 512, 64), or
  * BF16 weight rows read in place (32, 8 * rb, rb). `pf`: prefetch the A rows that many k-steps ahead in
- * the first pass over the tokens (rows read in place come from memory; the later passes find them in L2). */
+ * the first pass over the tokens (rows read in place come from memory; the later passes find them in L2).
+ * `nx`, `nx_bytes`: memory the caller converts next (the next weight rows), brought into L2 a few lines per
+ * k-step of the first pass, so that the conversion does not wait on memory. */
 KTK_AMX_TARGET
 static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64_t a_stride, int64_t K, int pf,
-                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
+                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc, const uint8_t *nx, int64_t nx_bytes) {
     if (!t_configured) amx_config();
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
+    const int64_t nx_step = nx ? (nx_bytes + 64 * KS - 1) / (64 * KS) * 64 : 0;   /* bytes per k-step */
+    const uint8_t *nx_end = nx ? nx + nx_bytes : NULL;
     AMX_MEMORY_BARRIER();
     for (int64_t tt = 0; tt < ntt; tt += 2, pf = 0) {
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
@@ -179,6 +188,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
             _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
                 if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
+                if (tt == 0 && nx) prefetch_next(nx + ks * nx_step, nx_step, nx_end);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
@@ -193,6 +203,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
         } else {
             for (int64_t ks = 0; ks < KS; ks++) {
                 if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
+                if (tt == 0 && nx) prefetch_next(nx + ks * nx_step, nx_step, nx_end);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
@@ -208,12 +219,18 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
 
 KTK_AMX_TARGET
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc);
+    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc, NULL, 0);
+}
+
+KTK_AMX_TARGET
+void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,
+                       const uint8_t *next, int64_t next_bytes) {
+    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc, next, next_bytes);
 }
 
 KTK_AMX_TARGET
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, 8, pk, nt, C, ldc);
+    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, 8, pk, nt, C, ldc, NULL, 0);
 }
 
 #undef AMX_MEMORY_BARRIER
@@ -421,6 +438,10 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
 }
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
+}
+void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,
+                       const uint8_t *next, int64_t next_bytes) {
+    (void)Wt; (void)K; (void)pk; (void)nt; (void)C; (void)ldc; (void)next; (void)next_bytes;
 }
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp) {

@@ -40,7 +40,7 @@ struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
     const ktk_kernels *K;
-    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place;
+    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place, pf_next;
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -117,6 +117,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->multirow = s ? atoi(s) : 1;
         s = getenv("KTINJECT_AMX_BF16_IN_PLACE");   /* 0: BF16 rows copied to tile-major like the others (A/B) */
         m->bf16_in_place = !(s && s[0] == '0');
+        s = getenv("KTINJECT_AMX_PREFETCH_NEXT");   /* 0: the tile GEMMs do not bring in the next rows (A/B) */
+        m->pf_next = !(s && s[0] == '0');
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {
@@ -167,14 +169,15 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
  * the tile GEMM against the expert's packed tokens. */
 static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
-                        const uint16_t *pk, int64_t nt, float *C, int tid, int part) {
+                        const uint16_t *pk, int64_t nt, float *C, const uint8_t *next, int64_t next_bytes,
+                        int tid, int part) {
     int64_t ldc = (nt + 15) / 16 * 16;
     TR_START();
     if (type == KTK_BF16 && m->bf16_in_place) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
     else {
         ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
         TR_ADD(tid, part);
-        ktk_amx_gemm(s->wb, K, pk, nt, C, ldc);
+        ktk_amx_gemm_next(s->wb, K, pk, nt, C, ldc, m->pf_next ? next : NULL, next_bytes);
     }
     TR_ADD(tid, part + 1);
     s->ct = 1; s->cr = ldc;
@@ -191,8 +194,8 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (!s.wf) return;
         if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
-            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, tid, 0);
-            grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, tid, 0);
+            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
+            grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, NULL, 0, tid, 0);
         } else {
             grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, n, s.c0);
             grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, n, s.c1);
@@ -321,7 +324,11 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             if (!s.wf) s = get_scratch(m, tid);
             if (!s.wf) return;
             if (m->amx) {
-                grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0, tid, 3);
+                int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
+                while (a1 < m->nact && !m->tile[m->act[a1]]) a1++;
+                const uint8_t *nx = a1 < m->nact ? d->down + m->act[a1] * d->down_es + r0 * d->down_rb : NULL;
+                grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0,
+                            nx, RC * d->down_rb, tid, 3);
             } else {
                 grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base, n, s.c0);
             }
