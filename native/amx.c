@@ -11,7 +11,8 @@
  * L1-sized chunks, C accumulating in memory between them, measured slower: 29.4 vs 24.9 ms per
  * V2-Lite Q4_K layer at batch 512; converting the rows chunk by chunk as well, each chunk
  * multiplied while in L1, was not faster than this either.)
- * ktk_amx_silu_mul: the gate/up epilogue on the row-major C blocks. */
+ * ktk_amx_silu_mul: the gate/up epilogue on the row-major C blocks; ktk_amx_c_to_rows: those blocks
+ * back to token rows (h, or weighted into the layer's output). */
 #include "ktk_int.h"
 #include <immintrin.h>
 #include <math.h>
