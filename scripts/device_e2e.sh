@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -195,6 +195,18 @@ for l in sys.stdin:
     print('claim $c', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/amx_claim.txt"
     done
   done
+fi
+if [[ $steps == *" amxtrace "* ]]; then   # each part's time inside one AMX layer (amx_parts layer, TSC counters
+  # built in with -DKTK_LAYER_TRACE) on 16 and 1 threads, the next rows' prefetch on and off, alternating
+  gcc -O3 -std=gnu11 -pthread -DKTK_LAYER_TRACE -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") \
+    -lm -o /tmp/amx_parts_tr 2>/dev/null || echo "building amx_parts with -DKTK_LAYER_TRACE failed"
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for pf in 1 0; do
+      echo "== KTINJECT_AMX_PREFETCH_NEXT=$pf" | tee -a "$OUT/amx_trace.txt"
+      KTINJECT_AMX_PREFETCH_NEXT=$pf timeout 60 /tmp/amx_parts_tr layer 16 | tee -a "$OUT/amx_trace.txt"
+    done
+  done
+  timeout 60 /tmp/amx_parts_tr layer 1 | tee -a "$OUT/amx_trace.txt"
 fi
 if [[ $steps == *" fp8 "* ]]; then   # linear_fp8's gpu tests (scaled_mm and the fp8 GEMV), then bench_gpu's fp8 and int4
   timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4

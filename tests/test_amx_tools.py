@@ -1,0 +1,46 @@
+"""The AMX measurement tools in scripts/ (docs/benchmarks.md: `amx_parts`, `amx_parts layer`,
+`amx_peak`) build from the repository's sources as their headers say, including the build with
+moe.c's per-part TSC counters (-DKTK_LAYER_TRACE), and say plainly when there is no AMX to use."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ktinject.native.build import NATIVE, SOURCES
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _amx_usable() -> bool:
+    from ktinject import native
+    return bool(native.available() and "amx" in native.usable_isas())
+
+
+@pytest.mark.parametrize("trace", [False, True], ids=["plain", "layer-trace"])
+def test_amx_parts_builds(tmp_path: Path, trace: bool):
+    exe = tmp_path / "amx_parts"
+    srcs = [str(NATIVE / s) for s in SOURCES]
+    defs = ["-DKTK_LAYER_TRACE"] if trace else []
+    build = subprocess.run(["gcc", "-O1", "-std=gnu11", "-pthread", *defs, f"-I{NATIVE}",
+                            str(SCRIPTS / "amx_parts.c"), *srcs, "-lm", "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    if _amx_usable():
+        pytest.skip("AMX present: the tool's timings run on the device (scripts/device_e2e.sh amxtrace)")
+    run = subprocess.run([str(exe), "layer" if trace else "2048"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no usable AMX here" in run.stderr
+
+
+def test_amx_peak_builds(tmp_path: Path):
+    probe = subprocess.run(["gcc", "-mamx-tile", "-mamx-bf16", "-x", "c", "-c", "-o", "/dev/null", "-"],
+                           input="int x;", capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip("this gcc has no AMX options")
+    exe = tmp_path / "amx_peak"
+    build = subprocess.run(["gcc", "-O2", "-pthread", "-mamx-tile", "-mamx-bf16", str(SCRIPTS / "amx_peak.c"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr[-2000:]
