@@ -163,6 +163,10 @@ static int place(void) {
  * wall time, and each part's time summed in moe.c's counters, as a mean over the workers. */
 static int layer(int nthreads) {
     const int64_t E = 64, H = 2048, I = 1408, T = 512, k = 6, CALLS = 20;
+    if (nthreads < 1 || nthreads > KTK_LAYER_TRACE_T) {
+        fprintf(stderr, "layer: threads must be 1-%d, not %d\n", KTK_LAYER_TRACE_T, nthreads);
+        return 2;
+    }
     int64_t rbh, rbi;
     uint8_t *g = random_rows(KTK_Q4_K, H, E * I, &rbh), *u = random_rows(KTK_Q4_K, H, E * I, &rbh);
     uint8_t *dn = random_rows(KTK_Q5_0, I, E * H, &rbi);
