@@ -148,9 +148,21 @@ int main(void) {
                 for (int64_t ldc = pad; ldc <= pad + 16; ldc += 16) {
                     cases++;
                     fails += check_gemm(t, n, w, x, wt, pk, nt, ldc, C);
+                    for (int64_t i = 0; i < 32 * ldc; i++) C2[i] = NAN;   /* the pipelined order: the same bits */
+                    ktk_amx_pipeline = 1;
+                    ktk_amx_gemm(wt, n, pk, nt, C2, ldc);
+                    ktk_amx_pipeline = 0;
+                    cases++;
+                    if (memcmp(C, C2, (size_t)(32 * ldc) * 4)) {
+                        fails++;
+                        printf("FAIL pipelined gemm n %lld tokens %lld ldc %lld: not the plain order's bits\n", (long long)n,
+                               (long long)nt, (long long)ldc);
+                    }
                     if (t == KTK_BF16) {   /* the rows read in place: the same tiles, the same bits */
                         for (int64_t i = 0; i < 32 * ldc; i++) C2[i] = NAN;
+                        ktk_amx_pipeline = ldc > pad;   /* the in-place loads in both orders */
                         ktk_amx_gemm_rows(rows, rb, n, pk, nt, C2, ldc);
+                        ktk_amx_pipeline = 0;
                         cases++;
                         if (memcmp(C, C2, (size_t)(32 * ldc) * 4)) {
                             fails++;
@@ -164,6 +176,9 @@ int main(void) {
         }
     cases++;
     fails += check_silu();
+    cases += 8;
+    fails += check_moe();
+    setenv("KTINJECT_AMX_PIPELINE", "1", 1);   /* the layer again with the pipelined tile loops */
     cases += 8;
     fails += check_moe();
     printf("%s (%d cases, %d failures)\n", fails ? "FAILED" : "OK", cases, fails);

@@ -225,6 +225,8 @@ static int layer(int nthreads) {
 
 int main(int argc, char **argv) {
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
+    const char *pipe = getenv("KTINJECT_AMX_PIPELINE");   /* the tile loops' order, as moe.c reads it */
+    ktk_amx_pipeline = pipe && pipe[0] == '1';
 #if defined(KTK_LAYER_TRACE)
     if (argc > 1 && !strcmp(argv[1], "layer")) return layer(argc > 2 ? atoi(argv[2]) : 16);
 #endif

@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxpipe] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -207,6 +207,25 @@ if [[ $steps == *" amxtrace "* ]]; then   # each part's time inside one AMX laye
     done
   done
   timeout 60 /tmp/amx_parts_tr layer 1 | tee -a "$OUT/amx_trace.txt"
+fi
+if [[ $steps == *" amxpipe "* ]]; then   # the tile loops' instruction order: each k-step's loads between the previous
+  # step's products (KTINJECT_AMX_PIPELINE=1) against all loads first; the unit alone, the GEMM alone, then the layer
+  timeout -s KILL 120 python3 -m pytest -q -p no:cacheprovider tests/test_native_kernels.py tests/test_amx_emulated.py 2>&1 | tail -1
+  gcc -O2 -pthread -mamx-tile -mamx-bf16 scripts/amx_peak.c -o /tmp/amx_peak && for t in 1 16; do /tmp/amx_peak $t; done \
+    | tee -a "$OUT/amx_pipe.txt"
+  gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
+    -o /tmp/amx_parts 2>/dev/null
+  for p in 0 1; do KTINJECT_AMX_PIPELINE=$p timeout 60 /tmp/amx_parts 2048 | grep "^gemm" | sed "s/^/pipeline=$p /" \
+    | tee -a "$OUT/amx_pipe.txt"; done
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for p in 0 1; do
+      KTINJECT_AMX_PIPELINE=$p timeout -s KILL 40 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 \
+        --gib 2 --probe-gib 0.25 --seconds 1.5 --isa amx --json 2>/dev/null | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith('{') else None
+    print('pipeline=$p', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/amx_pipe.txt"
+    done
+  done
 fi
 if [[ $steps == *" fp8 "* ]]; then   # linear_fp8's gpu tests (scaled_mm and the fp8 GEMV), then bench_gpu's fp8 and int4
   timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -4
