@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ class ModelBench:
     model: str
     rules: str
     prefill: dict = field(default_factory=dict)       # prompt tokens -> tokens/s
+    prefill_chunk: int = 0                            # tokens per prefill chunk (generate's chunk_size)
     decode_tokens_per_s: float = 0.0                  # steady state (median of the runs): after the eager first
                                                       # step and the capture
     decode_tokens_per_s_incl_warmup: float = 0.0      # the first run's whole decode, those one-time costs included
@@ -124,14 +125,17 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2048, 8192),
               decode_tokens: int = 64, decode_prompt: int = 128, warm: bool = True, repeat: int = 3,
-              probe_gib: float = 4.0, progress=None) -> ModelBench:
+              probe_gib: float = 4.0, chunk_size: Optional[int] = None, progress=None) -> ModelBench:
     """Load `model_path` with `rules`, time prefill at each prompt length (once each: they are
     long) and decode `repeat` times (different prompts; the median steady rate is reported with
     every run's, since CPU experts on a shared machine swing between identical runs), then
-    measure the machine for the roofline (`probe_gib`: the CPU bandwidth probe's buffer)."""
+    measure the machine for the roofline (`probe_gib`: the CPU bandwidth probe's buffer).
+    `chunk_size`: tokens per prefill chunk (None: what `generate` picks for the model)."""
     if repeat < 1:
         raise KtInjectError(f"repeat must be >= 1, got {repeat}")
-    from .generate import generate
+    if chunk_size is not None and chunk_size < 1:
+        raise KtInjectError(f"chunk size must be >= 1, got {chunk_size}")
+    from .generate import generate, prefill_chunk_size
     from .load import optimize_and_load
     say = progress or (lambda msg: None)
     say(f"loading {model_path}")
@@ -142,17 +146,18 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
     if warm:
         say("faulting in the CPU expert weights")
         res.notes.append(f"warm {warm_experts(model):.1f} s")
+    res.prefill_chunk = chunk_size or prefill_chunk_size(model)
     vocab = int(model.config.vocab_size)
     max_len = max([*prompt_lengths, decode_prompt]) + decode_tokens + 8
     say("warm-up generation")
     # as long as the shortest measured prompt, so the first measurement pays no one-time set-up
     # of the prefill path (a GPU prefill's staging buffers, kernels' first launches)
     generate(model, tok, _prompt(vocab, max(64, min(prompt_lengths, default=64)), 0), max_new_tokens=4,
-             max_cache_len=max_len)
+             max_cache_len=max_len, chunk_size=res.prefill_chunk)
     for n in prompt_lengths:
         say(f"prefill {n} tokens")
         r = generate(model, tok, _prompt(vocab, n, n), max_new_tokens=1, max_cache_len=max_len,
-                     reuse_prefix=False)
+                     reuse_prefix=False, chunk_size=res.prefill_chunk)
         res.prefill[str(n)] = round(r.prefill_tokens_per_s, 1)
     # the cache sized for this generation, as generate() sizes it (a decode step's attention spans
     # the whole static cache, so the longest prefill's cache would slow it); the first run makes

@@ -58,4 +58,11 @@ def test_bench_model_json_on_the_cpu(capsys, tmp_path):
     expected = 1e9 * res["cpu_bandwidth_gbps"] / (res["cpu_expert_bytes_per_token"] + res["cpu_dense_bytes_per_token"])
     assert res["roofline_tokens_per_s"] == pytest.approx(expected, rel=0.01)
     assert res["fraction"] == pytest.approx(res["decode_tokens_per_s"] / res["roofline_tokens_per_s"], abs=1e-3)
+    assert res["prefill_chunk"] == 512                          # generate's default for this model
+    rc = main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--prompt-lengths", "40", "--decode-tokens", "2",
+               "--repeat", "1", "--probe-gib", "0.03", "--chunk-size", "16", "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and res["prefill_chunk"] == 16 and res["prefill"]["40"] > 0
     assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--repeat", "0"]) == 2
+    assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--chunk-size", "0"]) == 2
+    assert "chunk size must be >= 1, got 0" in capsys.readouterr().err

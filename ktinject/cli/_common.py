@@ -44,6 +44,36 @@ def add_model_arguments(p) -> None:
                                         "model's own (for GGUF files)")
 
 
+def add_sampling_arguments(p) -> None:
+    """Sampling and prefill options of `generate`: shared by `run` and `chat`."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off, default)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities sum to p (1 = off, default)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 makes tokens already in the text less likely (1 = off, default)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: torch's default generator)")
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill chunk size (tokens; default 512, or what the model's operators ask for)")
+
+
+def sampling_options(args) -> dict:
+    """`generate` keyword arguments from add_sampling_arguments' flags, checked before anything loads
+    (an out-of-range value is one message naming the flag, not an error after the model is loaded)."""
+    from ..errors import ModelError
+    checks = (("--temperature", args.temperature, args.temperature >= 0, ">= 0"),
+              ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--repetition-penalty", args.repetition_penalty, args.repetition_penalty > 0, "> 0"),
+              ("--chunk-size", args.chunk_size, args.chunk_size is None or args.chunk_size >= 1, ">= 1"))
+    for flag, value, ok, want in checks:
+        if not ok:
+            raise ModelError(f"{flag} must be {want}, got {value}")
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "repetition_penalty": args.repetition_penalty, "seed": args.seed, "chunk_size": args.chunk_size}
+
+
 def load_for_cli(args, console):
     """Load `args.model` (or the default model) with `args.rules` (or the family pack), requiring a
     tokenizer: the shared start of `run`, `chat` and `profile`. Returns (path, model, tokenizer)."""

@@ -38,6 +38,8 @@ def add_arguments(p) -> None:
     m.add_argument("--rules", "-r", nargs="+", metavar="R", help="rule files or pack names (default: family pack)")
     m.add_argument("--prompt-lengths", default="512,2048,8192", help="prefill prompt lengths (comma-separated)")
     m.add_argument("--decode-tokens", type=int, default=64, help="tokens to decode (default 64)")
+    m.add_argument("--chunk-size", type=int, default=None,
+                   help="tokens per prefill chunk (default: 512, or what the model's operators ask for)")
     m.add_argument("--no-warm", action="store_true", help="do not fault in memory-mapped expert weights first")
     m.add_argument("--repeat", type=int, default=3, help="decode runs; the median is reported, with each run (default 3)")
     m.add_argument("--config-dir", default=None, help="HF config directory overriding the model's own")
@@ -77,7 +79,7 @@ def bench_model(args) -> int:
     rules = pick_rules(args.rules, args.target, err_console, args.config_dir)
     res = run_bench(args.target, rules, prompt_lengths=_ints(args.prompt_lengths),
                     decode_tokens=args.decode_tokens, warm=not args.no_warm, repeat=args.repeat,
-                    probe_gib=args.probe_gib,
+                    probe_gib=args.probe_gib, chunk_size=args.chunk_size,
                     progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
     if args.json:
         sys.stdout.write(json.dumps(res.to_dict()) + "\n")
@@ -87,7 +89,7 @@ def bench_model(args) -> int:
     t.add_column("measure")
     t.add_column("value", justify="right")
     for n, tps in res.prefill.items():
-        t.add_row(f"prefill {n} tokens", f"{tps:.0f} tok/s")
+        t.add_row(f"prefill {n} tokens (chunks of {res.prefill_chunk})", f"{tps:.0f} tok/s")
     runs = ", ".join(f"{v:.1f}" for v in res.decode_runs)
     t.add_row(f"decode ({res.decode_mode}), steady, median of {len(res.decode_runs)}",
               f"{res.decode_tokens_per_s:.1f} tok/s ({runs})")

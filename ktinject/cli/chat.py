@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from ..errors import ModelError
-from ._common import add_model_arguments, load_for_cli
+from ._common import add_model_arguments, add_sampling_arguments, load_for_cli, sampling_options
 
 NAME = "chat"
 HELP = "interactive multi-turn chat with a model (chat template from its tokenizer, streaming)"
@@ -18,12 +18,7 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--system", help="a system message to start the conversation with")
     p.add_argument("--max-new-tokens", "-n", type=int, default=256, help="tokens per reply (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--chunk-size", type=int, default=None,
-                   help="prefill chunk size (tokens; default 512, or what the model's operators ask for)")
+    add_sampling_arguments(p)
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -64,6 +59,9 @@ def chat_loop(model, tokenizer, read: Callable[[], Optional[str]], write: Callab
 
 def run(args) -> int:
     from . import console
+    if args.max_new_tokens < 1:
+        raise ModelError("--max-new-tokens must be at least 1")
+    opts = sampling_options(args)
     path, model, tokenizer = load_for_cli(args, console)
     console.print("[dim]chat: /reset clears the conversation, /exit or Ctrl-D quits[/]")
 
@@ -81,6 +79,5 @@ def run(args) -> int:
                       f"prefill {r.prefill_tokens_per_s:.0f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s)[/]")
 
     chat_loop(model, tokenizer, read, write, system=args.system, on_result=stats, max_new_tokens=args.max_new_tokens,
-              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              repetition_penalty=args.repetition_penalty, chunk_size=args.chunk_size)
+              **opts)
     return 0
