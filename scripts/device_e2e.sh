@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxpipe] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxpipe] [chunkab] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -224,6 +224,16 @@ if [[ $steps == *" amxpipe "* ]]; then   # the tile loops' instruction order: ea
 for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
     print('pipeline=$p', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/amx_pipe.txt"
+    done
+  done
+fi
+if [[ $steps == *" chunkab "* ]]; then   # prefill by chunk size (CPU experts on AMX convert every weight once per
+  # chunk, so larger chunks amortize it), V2-Lite hybrid, alternating; CHUNKS: the sizes
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for c in ${CHUNKS:-512 2048}; do
+      bench v2lite deepseek-v2-lite deepseek-v2 --prompt-lengths 8192 --decode-tokens 8 --repeat 1 --chunk-size $c >/dev/null
+      python3 -c "import json; r = json.load(open('$OUT/bench_v2lite_deepseek-v2.json'))
+print('chunk $c', r['prefill_chunk'], r['prefill'])" | tee -a "$OUT/chunkab.txt"
     done
   done
 fi
