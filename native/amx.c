@@ -14,6 +14,7 @@
  * ktk_amx_silu_mul: the gate/up epilogue on the row-major C blocks; ktk_amx_c_to_rows: those blocks
  * back to token rows (h, or weighted into the layer's output). */
 #include "ktk_int.h"
+#include "transpose.h"
 #include <immintrin.h>
 #include <math.h>
 
@@ -22,26 +23,6 @@
 int ktk_amx_pipeline = 0;
 
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K) { return (nt + 15) / 16 * 16 * K; }
-
-/* 8 x 8 u32 transpose: r[i][j] -> r[j][i] */
-__attribute__((target("avx2")))
-static inline void transpose8x8(__m256i *r) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; h++) {   /* rows 4h .. 4h+3: values [j] | [j + 4] per register */
-        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-        r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-    }
-}
 
 /* Per token tile and chunk of up to 16 k-steps: the 16 tokens' values in bf16 (16 KiB), then
  * every 1 KiB B block built from four 8 x 8 transposes of bf16 pairs and written whole (writing
@@ -67,7 +48,7 @@ void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *pk) 
                     for (int tb = 0; tb < 16; tb += 8) {
                         __m256i r[8];
                         for (int i = 0; i < 8; i++) r[i] = _mm256_load_si256((const __m256i *)(buf[tb + i] + ks * 16 + pb));
-                        transpose8x8(r);
+                        ktk_transpose8x8(r);
                         for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(blk + (pb + i) * 16 + tb), r[i]);
                     }
             }
@@ -84,7 +65,7 @@ void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *
         for (int r0 = 0; r0 < rows; r0 += 8) {
             __m256i v[8];
             for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_si256((const __m256i *)(C + (r0 + i) * ldc + j0));
-            transpose8x8(v);   /* v[t]: C[r0 .. r0 + 8)[j0 + t] */
+            ktk_transpose8x8(v);   /* v[t]: C[r0 .. r0 + 8)[j0 + t] */
             for (int t = 0; t < jn; t++) {
                 float *o = out + (idx ? idx[j0 + t] : j0 + t) * stride + r0;
                 __m256 c = _mm256_castsi256_ps(v[t]);

@@ -76,10 +76,17 @@ typedef struct {
     ktk_dotn_fn dotn[KTK_NTYPES];   /* set wherever dot is */
     void (*quant_act)(const float *x, ktk_q8 *q, int64_t n);   /* fills the activation record */
     ktk_gemm_fn gemm;
+    /* optional (NULL: the grouped path multiplies with gemm): the expert's tokens packed once
+     * (ktk_pack_f32_panels, 8 tokens a panel for AVX2, 16 for AVX-512), then C[r*ldc + t] =
+     * W[r] . token t (R % 8 == 0, t < nt rounded up to the panel width, ldc >= that) */
+    void (*pack_f32)(const float *const *X, int64_t nt, int64_t K, float *pk);
+    void (*gemm_packed)(const float *W, int64_t R, int64_t K, const float *pk, int64_t nt, float *C, int64_t ldc);
     void (*dequant)(int type, const uint8_t *src, float *dst, int64_t n);   /* one row */
     void (*to_bf16)(const float *x, uint16_t *y, int64_t n);
     uint64_t (*stream)(const uint8_t *p, size_t n);   /* read n bytes (n % 256 == 0), return a checksum */
 } ktk_kernels;
+
+void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
 
 extern const ktk_kernels ktk_kernels_scalar;
 extern const ktk_kernels ktk_kernels_avx2;

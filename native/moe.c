@@ -2,12 +2,12 @@
  *
  * One call = one pool job of four phases (items claimed dynamically by the workers):
  *   P0  quantize each token's activations to Q8 blocks (when some expert takes the row-dot
- *       path); pack the tokens of every grouped expert for AMX (when that path runs)
+ *       path); pack the tokens of every grouped expert (AMX tiles, or f32 panels)
  *                                                                items: T or 0, + grouped experts
  *   P1  gate and up projections, h = SiLU(gate) * up, for (expert, 32 rows of I)
  *                                                                items: active experts * I/32
  *   P2  quantize h of the row-dot experts' (token, expert) pairs; pack h of grouped experts
- *       for AMX                                     items: row-dot experts + grouped experts
+ *                                                   items: row-dot experts + grouped experts
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
@@ -15,8 +15,8 @@
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
  * ($KTINJECT_MULTIROW=0: the one-row kernels). An expert with more (prefill) takes the grouped
  * path: 32 weight rows are dequantized once into per-thread scratch and multiplied with all of
- * its tokens by the f32 GEMM micro-kernel, or written as bf16 tiles and multiplied by AMX-BF16
- * tiles on the AMX path. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
+ * its tokens by an f32 GEMM micro-kernel (on AVX2 / AVX-512 against the expert's tokens packed in
+ * panels, P0 / P2), or written as bf16 tiles and multiplied by AMX-BF16 tiles on the AMX path. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
  * takes the row-dot path on that copy, several (group, token) pairs per kernel call; the grouped
  * path always reads the GGML rows. */
 #include "ktk_int.h"
@@ -40,7 +40,7 @@ struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
     const ktk_kernels *K;
-    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place, pf_next;
+    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place, pf_next, packed_f32;
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -56,6 +56,8 @@ struct ktk_moe {
     float *h;                                          /* [P, I] */
     uint16_t *xpk, *hpk;                               /* packed bf16 tokens for AMX (in xpk_mem, hpk_mem) */
     void *xpk_mem, *hpk_mem;
+    int packed;                                        /* grouped experts' tokens packed per expert (AMX, or pack_f32) */
+    float *xpf, *hpf;                                  /* packed f32 tokens for gemm_packed (in xpk_mem, hpk_mem) */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
 
@@ -119,6 +121,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->bf16_in_place = !(s && s[0] == '0');
         s = getenv("KTINJECT_AMX_PREFETCH_NEXT");   /* 0: the tile GEMMs do not bring in the next rows (A/B) */
         m->pf_next = !(s && s[0] == '0');
+        s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
+        m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_AMX_PIPELINE");   /* 1: the tile loops' pipelined instruction order (A/B) */
         ktk_amx_pipeline = s && s[0] == '1';
         if (m->tile_min < 1) m->tile_min = 1;
@@ -162,8 +166,14 @@ static inline void prefetch_row(const uint8_t *p, int64_t bytes) { ktk_prefetch(
 
 /* C[j * s->ct + r * s->cr] = row (r0 + r) of expert matrix . token j, on the grouped f32 path. */
 static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
-                    const float *const *X, int64_t nt, float *C) {
+                    const float *const *X, const float *pk, int64_t nt, float *C) {
     for (int r = 0; r < RC; r++) m->K->dequant(type, rows + r * rb, s->wf + (int64_t)r * K, K);
+    if (pk) {   /* the expert's tokens packed (pack_f32): C row-major, as on AMX */
+        const int64_t ldc = (nt + 15) / 16 * 16;
+        m->K->gemm_packed(s->wf, RC, K, pk, nt, C, ldc);
+        s->ct = 1; s->cr = ldc;
+        return;
+    }
     m->K->gemm(s->wf, RC, K, X, nt, C, RC);
     s->ct = RC; s->cr = 1;
 }
@@ -199,8 +209,9 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
             grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, NULL, 0, tid, 0);
         } else {
-            grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, n, s.c0);
-            grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, n, s.c1);
+            const float *pf = m->xpf ? m->xpf + m->pk_off[e] * H : NULL;
+            grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, pf, n, s.c0);
+            grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, pf, n, s.c1);
         }
         if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
             TR_START();
@@ -332,10 +343,11 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
                 grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0,
                             nx, RC * d->down_rb, tid, 3);
             } else {
-                grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base, n, s.c0);
+                grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base,
+                        m->hpf ? m->hpf + m->pk_off[e] * I : NULL, n, s.c0);
             }
             TR_START();
-            if (m->amx) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->out + r0, m->tok + base, H, m->wt + base);
+            if (s.ct == 1) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->out + r0, m->tok + base, H, m->wt + base);
             else
                 for (int64_t j = 0; j < n; j++) {
                     float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
@@ -380,7 +392,8 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
         { int64_t e = m->tile_list[item - m->nq0];
           TR_START();
-          ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+          if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+          else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
           TR_ADD(tid, 6); }
         break;
     case 1: phase_gate_up(m, item, tid); break;
@@ -393,7 +406,8 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         }
         { int64_t e = m->tile_list[item - m->nplain];
           TR_START();
-          ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
+          if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
+          else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
           TR_ADD(tid, 7); }
         break;
     default: phase_down(m, item, tid); break;
@@ -442,6 +456,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->amx = isa == KTK_ISA_AMX;
 #endif
     m->isa = isa;
+    m->packed = m->amx || (K->pack_f32 && K->gemm_packed && m->packed_f32);
+    m->xpf = m->hpf = NULL;
     m->nact = m->ntile = m->maxcnt = m->nplain = 0;
     int64_t npad = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -453,7 +469,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             if (m->cnt[e] > m->maxcnt) m->maxcnt = m->cnt[e];
             m->pk_off[e] = npad;
             npad += (m->cnt[e] + 15) / 16 * 16;
-            if (m->amx) m->tile_list[m->ntile++] = e;
+            if (m->packed) m->tile_list[m->ntile++] = e;
         } else {
             m->plain_list[m->nplain++] = e;
         }
@@ -461,6 +477,10 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     if (m->amx && npad) {
         m->xpk = grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpk, &fail);
         m->hpk = grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpk, &fail);
+        if (fail) return KTK_ENOMEM;
+    } else if (m->packed && npad) {
+        m->xpf = (float *)grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpf, &fail);
+        m->hpf = (float *)grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpf, &fail);
         if (fail) return KTK_ENOMEM;
     }
     m->K = K; m->pool = p; m->T = T; m->k = k; m->P = P; m->x = x; m->w = w; m->out = out;

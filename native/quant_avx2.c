@@ -2,6 +2,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include "ktk_int.h"
+#include "transpose.h"
 
 #define SFX(name) name##_avx2
 static inline __m256i doti_avx2(__m256i acc, __m256i u, __m256i s) {
@@ -65,6 +66,75 @@ static void gemm_avx2(const float *W, int64_t R, int64_t K, const float *const *
         for (int64_t r = 0; r < R; r++) C[t * ldc + r] = dot_f32_avx2((const uint8_t *)(W + r * K), X[t], 0, K);
 }
 
+/* The grouped path's tokens packed once per expert: panel g holds tokens pw*g .. pw*g + pw-1 as
+ * [K][pw] floats (pw 8 or 16; zeros past nt), so a GEMM reads the panel's tokens' values of one k
+ * as one vector (AVX2: 8, AVX-512: 16). */
+void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw) {
+    for (int64_t g = 0; g * pw < nt; g++) {
+        float *P = pk + g * K * pw;
+        for (int h = 0; h < pw; h += 8) {   /* 8 tokens at a time, columns h .. h+7 of the panel */
+            const int64_t t0 = g * pw + h;
+            const int valid = nt - t0 < 0 ? 0 : nt - t0 < 8 ? (int)(nt - t0) : 8;
+            for (int64_t k = 0; k < K; k += 8) {
+                __m256i r[8];
+                for (int j = 0; j < 8; j++)
+                    r[j] = j < valid ? _mm256_loadu_si256((const __m256i *)(X[t0 + j] + k)) : _mm256_setzero_si256();
+                ktk_transpose8x8(r);   /* r[i]: the 8 tokens' values at k + i */
+                for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(P + (k + i) * pw + h), r[i]);
+            }
+        }
+    }
+}
+
+static void pack_f32_avx2(const float *const *X, int64_t nt, int64_t K, float *pk) {
+    ktk_pack_f32_panels(X, nt, K, pk, 8);
+}
+
+/* 4 weight rows x nv panels (8 tokens each), all of K: 4 * nv accumulators, each k one broadcast
+ * weight per row and one panel load per 8 tokens (outer products: no horizontal sums). W rows and
+ * panels are K values apart. */
+static inline __attribute__((always_inline)) void gemm_4xn(const float *W, int64_t K, const float *P, float *C,
+                                                           int64_t ldc, const int nv) {
+    __m256 acc[4][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {   /* unrolled whole (at -O2 too), so the accumulators stay in registers */
+        __m256 x[3];
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) x[v] = _mm256_loadu_ps(P + v * K * 8 + k * 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const __m256 w = _mm256_broadcast_ss(W + r * K + k);
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm256_fmadd_ps(w, x[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(C + r * ldc + v * 8, acc[r][v]);
+}
+
+/* C[r*ldc + t] = W[r] . token t for r < R (R % 4 == 0), t < nt rounded up to 8 (ldc >= that; the
+ * padding tokens give zeros); pk as pack_f32_avx2 wrote it. (Running K in L1-sized chunks of
+ * 64-512, the accumulators going through C between them, measured no faster on the 2-core
+ * development machine.) */
+static void gemm_packed_avx2(const float *W, int64_t R, int64_t K, const float *pk, int64_t nt, float *C, int64_t ldc) {
+    const int64_t ng = (nt + 7) / 8;
+    for (int64_t g0 = 0; g0 < ng; g0 += 3)
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            const float *P = pk + g0 * K * 8, *w = W + r0 * K;
+            float *c = C + r0 * ldc + g0 * 8;
+            switch (ng - g0 < 3 ? (int)(ng - g0) : 3) {
+            case 3: gemm_4xn(w, K, P, c, ldc, 3); break;
+            case 2: gemm_4xn(w, K, P, c, ldc, 2); break;
+            default: gemm_4xn(w, K, P, c, ldc, 1); break;
+            }
+        }
+}
+
 static void to_bf16_avx2(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
     const __m256i r = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), inf = _mm256_set1_epi32(0x7f800000);
@@ -106,6 +176,8 @@ const ktk_kernels ktk_kernels_avx2 = {
              [KTK_Q4_K] = dotn_q4_k_avx2, [KTK_Q5_K] = dotn_q5_k_avx2, [KTK_Q6_K] = dotn_q6_k_avx2, [KTK_IQ4_XS] = dotn_iq4_xs_avx2},
     .quant_act = quant_act_avx2,
     .gemm = gemm_avx2,
+    .pack_f32 = pack_f32_avx2,
+    .gemm_packed = gemm_packed_avx2,
     .dequant = dequant_avx2,
     .to_bf16 = to_bf16_avx2,
     .stream = stream_avx2,

@@ -50,6 +50,51 @@ static float dot_f32_512(const float *w, const float *x, int64_t K) {
     return s;
 }
 
+static void pack_f32_avx512(const float *const *X, int64_t nt, int64_t K, float *pk) {
+    ktk_pack_f32_panels(X, nt, K, pk, 16);
+}
+
+/* 8 weight rows x nv panels (16 tokens each), all of K: 8 * nv accumulators (24 of the 32
+ * registers), each k one broadcast weight per row and one panel load per 16 tokens. */
+static inline __attribute__((always_inline)) void gemm_8xn_512(const float *W, int64_t K, const float *P, float *C,
+                                                               int64_t ldc, const int nv) {
+    __m512 acc[8][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 x[3];
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) x[v] = _mm512_loadu_ps(P + v * K * 16 + k * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            const __m512 w = _mm512_set1_ps(W[r * K + k]);
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(w, x[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(C + r * ldc + v * 16, acc[r][v]);
+}
+
+/* C[r*ldc + t] = W[r] . token t for r < R (R % 8 == 0), t < nt rounded up to 16 (ldc >= that) */
+static void gemm_packed_avx512(const float *W, int64_t R, int64_t K, const float *pk, int64_t nt, float *C, int64_t ldc) {
+    const int64_t ng = (nt + 15) / 16;
+    for (int64_t g0 = 0; g0 < ng; g0 += 3)
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {
+            const float *P = pk + g0 * K * 16, *w = W + r0 * K;
+            float *c = C + r0 * ldc + g0 * 16;
+            switch (ng - g0 < 3 ? (int)(ng - g0) : 3) {
+            case 3: gemm_8xn_512(w, K, P, c, ldc, 3); break;
+            case 2: gemm_8xn_512(w, K, P, c, ldc, 2); break;
+            default: gemm_8xn_512(w, K, P, c, ldc, 1); break;
+            }
+        }
+}
+
 /* C[t*ldc + r] = W[r] . X[t]; blocks of 4 tokens x 3 rows (12 accumulators); K % 16 == 0. */
 static void gemm_avx512(const float *W, int64_t R, int64_t K, const float *const *X, int64_t NT,
                         float *C, int64_t ldc) {
@@ -118,6 +163,8 @@ const ktk_kernels ktk_kernels_avx512 = {
              [KTK_Q4_K] = dotn_q4_k_avx512, [KTK_Q5_K] = dotn_q5_k_avx512, [KTK_Q6_K] = dotn_q6_k_avx512, [KTK_IQ4_XS] = dotn_iq4_xs_avx512},
     .quant_act = quant_act_avx512,
     .gemm = gemm_avx512,
+    .pack_f32 = pack_f32_avx512,
+    .gemm_packed = gemm_packed_avx512,
     .dequant = dequant_avx512,
     .to_bf16 = to_bf16_avx512,
     .stream = stream_avx512,

@@ -127,6 +127,25 @@ def test_moe_kernel(isa, qt, T, grouped, monkeypatch):
     assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, grouped), (isa, qt.name, T)
 
 
+@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in ISAS])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.BF16], ids=lambda q: q.name)
+def test_moe_packed_f32_path_matches_unpacked(isa, qt, monkeypatch):
+    """The AVX2 / AVX-512 grouped path with tokens packed per expert (pack_f32 / gemm_packed, the
+    default) against the unpacked GEMM ($KTINJECT_PACKED_F32=0): expert sizes from 1 token to
+    past 3 panels (tile_min 1), so each micro-kernel width and the zero padding of the last panel run."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "1")
+    (gate, up, down), (G, U, D) = moe_case(qt, qt)
+    for T in (3, 13, 47, 101):
+        x = torch.randn(T, 256)
+        ids, w = _routing(T, 8, 2, seed=T)
+        monkeypatch.setenv("KTINJECT_PACKED_F32", "1")
+        packed = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
+        monkeypatch.setenv("KTINJECT_PACKED_F32", "0")
+        plain = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
+        assert rel_err(packed, plain) < 1e-5, (isa, qt.name, T)
+        assert rel_err(packed, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, T)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.IQ4_XS, QT.BF16], ids=lambda q: q.name)
 def test_moe_decode_one_row_kernels(isa, qt, monkeypatch):
