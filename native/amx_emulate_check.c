@@ -45,7 +45,9 @@ static int check_gemm(int t, int64_t n, const float *w, const float *x, const ui
     return bad != 0;
 }
 
-static int check_silu(void) {   /* exp512 in the -DKTK_AMX_EMULATE_WRITERS build */
+/* the SiLU epilogues against libm: AMX's (exp512 in the -DKTK_AMX_EMULATE_WRITERS build) and the
+ * packed f32 path's AVX2 one (exp256) */
+static int check_silu(void (*silu_mul)(float *, const float *, int64_t, int), const char *name) {
     enum { NV = 2 * 1024, LDC = 64 };
     static float g[NV], u[NV], g0[NV];
     for (int i = 0; i < NV; i++) { g[i] = g0[i] = (float)(i - NV / 2) / 9.f; u[i] = 1.f + frand() * 0.5f; }
@@ -53,12 +55,12 @@ static int check_silu(void) {   /* exp512 in the -DKTK_AMX_EMULATE_WRITERS build
                              103.f, -103.f, 105.f, -105.f, 1e4f, -1e4f, INFINITY, -INFINITY, NAN, -NAN};
     const int ne = (int)(sizeof extreme / sizeof *extreme);
     for (int i = 0; i < ne; i++) { g[3 * i] = g0[3 * i] = extreme[i]; u[3 * i] = 1.f; }   /* spread over lanes */
-    ktk_amx_silu_mul(g, u, LDC, NV / LDC);
+    silu_mul(g, u, LDC, NV / LDC);
     int bad = 0;
     for (int i = 0; i < NV; i++) {
         const double ref = (double)g0[i] / (1.0 + exp(-(double)g0[i])) * u[i];   /* -inf: NaN, as libm's */
         const int ok = isnan(ref) ? isnan(g[i]) : isinf(ref) ? g[i] == ref : fabs(g[i] - ref) <= 1e-6 * fabs(ref) + 1e-30;
-        if (!ok && bad++ < 3) printf("FAIL silu(%g) * %g = %g, want %g\n", g0[i], u[i], g[i], ref);
+        if (!ok && bad++ < 3) printf("FAIL %s: silu(%g) * %g = %g, want %g\n", name, g0[i], u[i], g[i], ref);
     }
     return bad != 0;
 }
@@ -174,8 +176,9 @@ int main(void) {
             }
             free(rows); free(w); free(x); free(tmp); free(wt); free(pk); free(C); free(C2);
         }
-    cases++;
-    fails += check_silu();
+    cases += 2;
+    fails += check_silu(ktk_amx_silu_mul, "ktk_amx_silu_mul");
+    fails += check_silu(ktk_silu_mul_avx2, "ktk_silu_mul_avx2");
     cases += 8;
     fails += check_moe();
     setenv("KTINJECT_AMX_PIPELINE", "1", 1);   /* the layer again with the pipelined tile loops */

@@ -87,6 +87,7 @@ typedef struct {
 } ktk_kernels;
 
 void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
+void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows);   /* g = SiLU(g) * u, ldc % 8 == 0 */
 
 extern const ktk_kernels ktk_kernels_scalar;
 extern const ktk_kernels ktk_kernels_avx2;

@@ -218,6 +218,9 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             ktk_amx_silu_mul(s.c0, s.c1, s.cr, RC);
             ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->h + base * I + r0, NULL, I, NULL);
             TR_ADD(tid, 2);
+        } else if (s.ct == 1) {   /* the packed f32 path: row-major C blocks, as on AMX */
+            ktk_silu_mul_avx2(s.c0, s.c1, s.cr, RC);
+            ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->h + base * I + r0, NULL, I, NULL);
         } else {
             for (int64_t j = 0; j < n; j++) {
                 float *hr = m->h + (base + j) * I + r0;

@@ -135,6 +135,36 @@ static void gemm_packed_avx2(const float *W, int64_t R, int64_t K, const float *
         }
 }
 
+/* exp(x) for SiLU, 8 lanes: x = n ln2 + r (ln2 in two parts), e^r by its Taylor polynomial to r^6,
+ * 2^n built in the exponent bits. x is clamped to [-87, 88.8] first: at the bottom the result stays
+ * a normal float (no subnormal assists; SiLU adds it to 1, where that changes nothing), at the top
+ * n is at most 128, whose exponent bits make inf, as the true value is. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.8f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* g = SiLU(g) * u over rows x ldc floats (ldc % 8 == 0): the packed grouped path's gate/up epilogue
+ * on its row-major C blocks. NaN stays NaN (x is the numerator); -inf gives NaN, as x / (1 + e^-x) does. */
+void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows) {
+    for (int64_t i = 0; i < rows * ldc; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i), e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u + i)));
+    }
+}
+
 static void to_bf16_avx2(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
     const __m256i r = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), inf = _mm256_set1_epi32(0x7f800000);

@@ -65,27 +65,35 @@ def test_run_with_model_and_rules(capsys, tiny_dir):
     assert "decode:" in capsys.readouterr().out
 
 
-def test_run_sampling_flags_seeded_and_checked(capsys, tiny_dir):
-    """`run` samples with the flags `chat` has (the same seed gives the same text), and an
-    out-of-range flag is one message naming it, before the model loads."""
-    texts = []
-    for _ in range(2):
-        assert main(["run", str(tiny_dir), "--rules", "qwen3-moe-cpu", "-p", "ab", "-n", "6", "--temperature", "0.9",
-                     "--top-k", "20", "--top-p", "0.95", "--repetition-penalty", "1.1", "--seed", "7",
-                     "--chunk-size", "1"]) == 0
-        out = capsys.readouterr().out
-        assert "decode:" in out
-        texts.append(out[:out.index("prefill:")])
-    assert texts[0] == texts[1]
-    for flags, message in ((["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
-                           (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
-                           (["--top-k", "-3"], "--top-k must be >= 0, got -3"),
-                           (["--repetition-penalty", "0"], "--repetition-penalty must be > 0, got 0.0"),
-                           (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0")):
+def test_run_sampling_flags_reach_generate_and_are_checked(capsys, tiny_dir, monkeypatch):
+    """`run` samples with the flags `chat` has: a real sampled run, then the flags as `generate`
+    receives them; an out-of-range flag is one message naming it, before the model loads."""
+    flags = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--repetition-penalty", "1.1", "--seed", "7",
+             "--chunk-size", "1"]
+    assert main(["run", str(tiny_dir), "--rules", "qwen3-moe-cpu", "-p", "ab", "-n", "6", *flags]) == 0
+    assert "decode:" in capsys.readouterr().out
+    import sys
+    gen = sys.modules["ktinject.generate"]   # the module (the package exports its `generate` function)
+    seen = {}
+    real = gen.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(gen, "generate", spy)
+    assert main(["run", str(tiny_dir), "--rules", "qwen3-moe-cpu", "-p", "ab", "-n", "2", *flags]) == 0
+    assert {k: seen[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "chunk_size")} == \
+        {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1, "seed": 7, "chunk_size": 1}
+    for bad, message in ((["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+                         (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+                         (["--top-k", "-3"], "--top-k must be >= 0, got -3"),
+                         (["--repetition-penalty", "0"], "--repetition-penalty must be > 0, got 0.0"),
+                         (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0")):
         for cmd in ("run", "chat"):
-            assert main([cmd, str(tiny_dir), "--rules", "qwen3-moe-cpu", *flags]) == 2
+            seen.clear()
+            assert main([cmd, str(tiny_dir), "--rules", "qwen3-moe-cpu", *bad]) == 2
             err = capsys.readouterr().err
-            assert message in err and "Traceback" not in err and "loaded" not in err
+            assert message in err and "Traceback" not in err and not seen
 
 
 def test_errors_are_one_message_and_exit_2(capsys, tiny_dir, tmp_path):
