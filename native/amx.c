@@ -165,6 +165,12 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
     const int64_t nx_step = nx ? (nx_bytes + 64 * KS - 1) / (64 * KS) * 64 : 0;   /* bytes per k-step */
     const uint8_t *nx_end = nx ? nx + nx_bytes : NULL;
+    /* each k-step of the four loops below: the A rows pf steps ahead (first pass), and its share of nx */
+#define STEP_PREFETCH(ks)                                                                          \
+    do {                                                                                           \
+        if (pf && (ks) + pf < KS) prefetch_a(A + ((ks) + pf) * a_ks, a_rt, a_stride);               \
+        if (tt == 0 && nx) prefetch_next(nx + (ks) * nx_step, nx_step, nx_end);                   \
+    } while (0)
     AMX_MEMORY_BARRIER();
     for (int64_t tt = 0; tt < ntt; tt += 2, pf = 0) {
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
@@ -176,8 +182,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
             for (int64_t ks = 0; ks < KS; ks++) {
                 const int more = ks + 1 < KS;
                 const uint16_t *an = A + (ks + 1) * a_ks;
-                if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
-                if (tt == 0 && nx) prefetch_next(nx + ks * nx_step, nx_step, nx_end);
+                STEP_PREFETCH(ks);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 5, 6);
                 if (more) _tile_loadd(6, b0 + (ks + 1) * 512, 64);
@@ -193,8 +198,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
             for (int64_t ks = 0; ks < KS; ks++) {
                 const int more = ks + 1 < KS;
                 const uint16_t *an = A + (ks + 1) * a_ks;
-                if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
-                if (tt == 0 && nx) prefetch_next(nx + ks * nx_step, nx_step, nx_end);
+                STEP_PREFETCH(ks);
                 _tile_dpbf16ps(0, 4, 6);
                 if (more) _tile_loadd(4, an, a_stride);
                 _tile_dpbf16ps(1, 5, 6);
@@ -203,8 +207,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
         } else if (tt + 1 < ntt) {
             _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
-                if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
-                if (tt == 0 && nx) prefetch_next(nx + ks * nx_step, nx_step, nx_end);
+                STEP_PREFETCH(ks);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
@@ -218,8 +221,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
             _tile_stored(3, c1 + 16, ldc * 4);
         } else {
             for (int64_t ks = 0; ks < KS; ks++) {
-                if (pf && ks + pf < KS) prefetch_a(A + (ks + pf) * a_ks, a_rt, a_stride);
-                if (tt == 0 && nx) prefetch_next(nx + ks * nx_step, nx_step, nx_end);
+                STEP_PREFETCH(ks);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
                 _tile_loadd(6, b0 + ks * 512, 64);
@@ -231,6 +233,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
         _tile_stored(1, c1, ldc * 4);
     }
     AMX_MEMORY_BARRIER();
+#undef STEP_PREFETCH
 }
 
 KTK_AMX_TARGET

@@ -29,6 +29,19 @@ bench() {   # name arch "rules..." [extra bench args]
     2> "$OUT/bench_${name}_${tag}.err" | tee "$OUT/bench_${name}_${tag}.json"
   tail -3 "$OUT/bench_${name}_${tag}.err"
 }
+amx_parts() {   # build scripts/amx_parts.c to $1 (extra compiler flags after it)
+  local exe=$1; shift
+  gcc -O3 -std=gnu11 -pthread "$@" -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
+    -o "$exe" 2>/dev/null || { echo "building $exe failed"; return 1; }
+}
+amx_layer() {   # label file [ENV=VALUE]: one batch-512 AMX layer bench (q4_k, bf16), a line per quant into $OUT/file
+  local label=$1 file=$2; shift 2
+  env "$@" timeout -s KILL 40 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 \
+    --gib 2 --probe-gib 0.25 --seconds 1.5 --isa amx --json 2>/dev/null | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith('{') else None
+    print('$label', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/$file"
+}
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --prompt-lengths 512,2048 --decode-tokens 64
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
@@ -184,22 +197,14 @@ if [[ $steps == *" amx "* ]]; then   # the AMX grouped (prefill) path: its tests
 fi
 if [[ $steps == *" amxab "* ]]; then   # open questions of the AMX layer (docs/benchmarks.md, twelfth session): the
   # tile GEMM by buffer placement and page size, then the layer with several items per claim, alternating
-  gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
-    -o /tmp/amx_parts 2>/dev/null && timeout 60 /tmp/amx_parts place | tee "$OUT/amx_place.txt"
+  amx_parts /tmp/amx_parts && timeout 60 /tmp/amx_parts place | tee "$OUT/amx_place.txt"
   for i in $(seq ${AB_ROUNDS:-2}); do
-    for c in ${AMX_CLAIMS:-1 4 11}; do
-      KTINJECT_POOL_CLAIM=$c timeout -s KILL 40 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 \
-        --gib 2 --probe-gib 0.25 --seconds 1.5 --isa amx --json 2>/dev/null | python3 -c "import sys, json
-for l in sys.stdin:
-    r = json.loads(l) if l.startswith('{') else None
-    print('claim $c', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/amx_claim.txt"
-    done
+    for c in ${AMX_CLAIMS:-1 4 11}; do amx_layer "claim $c" amx_claim.txt KTINJECT_POOL_CLAIM=$c; done
   done
 fi
 if [[ $steps == *" amxtrace "* ]]; then   # each part's time inside one AMX layer (amx_parts layer, TSC counters
   # built in with -DKTK_LAYER_TRACE) on 16 and 1 threads, the next rows' prefetch on and off, alternating
-  gcc -O3 -std=gnu11 -pthread -DKTK_LAYER_TRACE -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") \
-    -lm -o /tmp/amx_parts_tr 2>/dev/null || echo "building amx_parts with -DKTK_LAYER_TRACE failed"
+  amx_parts /tmp/amx_parts_tr -DKTK_LAYER_TRACE
   for i in $(seq ${AB_ROUNDS:-2}); do
     for pf in 1 0; do
       echo "== KTINJECT_AMX_PREFETCH_NEXT=$pf" | tee -a "$OUT/amx_trace.txt"
@@ -213,18 +218,11 @@ if [[ $steps == *" amxpipe "* ]]; then   # the tile loops' instruction order: ea
   timeout -s KILL 120 python3 -m pytest -q -p no:cacheprovider tests/test_native_kernels.py tests/test_amx_emulated.py 2>&1 | tail -1
   gcc -O2 -pthread -mamx-tile -mamx-bf16 scripts/amx_peak.c -o /tmp/amx_peak && for t in 1 16; do /tmp/amx_peak $t; done \
     | tee -a "$OUT/amx_pipe.txt"
-  gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
-    -o /tmp/amx_parts 2>/dev/null
+  amx_parts /tmp/amx_parts
   for p in 0 1; do KTINJECT_AMX_PIPELINE=$p timeout 60 /tmp/amx_parts 2048 | grep "^gemm" | sed "s/^/pipeline=$p /" \
     | tee -a "$OUT/amx_pipe.txt"; done
   for i in $(seq ${AB_ROUNDS:-2}); do
-    for p in 0 1; do
-      KTINJECT_AMX_PIPELINE=$p timeout -s KILL 40 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 \
-        --gib 2 --probe-gib 0.25 --seconds 1.5 --isa amx --json 2>/dev/null | python3 -c "import sys, json
-for l in sys.stdin:
-    r = json.loads(l) if l.startswith('{') else None
-    print('pipeline=$p', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/amx_pipe.txt"
-    done
+    for p in 0 1; do amx_layer "pipeline=$p" amx_pipe.txt KTINJECT_AMX_PIPELINE=$p; done
   done
 fi
 if [[ $steps == *" chunkab "* ]]; then   # prefill by chunk size (CPU experts on AMX convert every weight once per
