@@ -18,10 +18,6 @@
 #include <immintrin.h>
 #include <math.h>
 
-/* Nonzero: the tile loops issue each k-step's loads between the previous step's products (A/B of
- * the instruction order; moe.c sets it from KTINJECT_AMX_PIPELINE). */
-int ktk_amx_pipeline = 0;
-
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K) { return (nt + 15) / 16 * 16 * K; }
 
 /* Per token tile and chunk of up to 16 k-steps: the 16 tokens' values in bf16 (16 KiB), then
@@ -165,7 +161,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
     const int64_t nx_step = nx ? (nx_bytes + 64 * KS - 1) / (64 * KS) * 64 : 0;   /* bytes per k-step */
     const uint8_t *nx_end = nx ? nx + nx_bytes : NULL;
-    /* each k-step of the four loops below: the A rows pf steps ahead (first pass), and its share of nx */
+    /* each k-step of the two loops below: the A rows pf steps ahead (first pass), and its share of nx */
 #define STEP_PREFETCH(ks)                                                                          \
     do {                                                                                           \
         if (pf && (ks) + pf < KS) prefetch_a(A + ((ks) + pf) * a_ks, a_rt, a_stride);               \
@@ -176,35 +172,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
         float *c0 = C + tt * 16, *c1 = C + 16 * ldc + tt * 16;
         _tile_zero(0); _tile_zero(1);
-        if (tt + 1 < ntt && ktk_amx_pipeline) {   /* the next k-step's tiles loaded as soon as their last reader is issued */
-            _tile_zero(2); _tile_zero(3);
-            _tile_loadd(4, A, a_stride); _tile_loadd(6, b0, 64); _tile_loadd(5, A + a_rt, a_stride); _tile_loadd(7, b1, 64);
-            for (int64_t ks = 0; ks < KS; ks++) {
-                const int more = ks + 1 < KS;
-                const uint16_t *an = A + (ks + 1) * a_ks;
-                STEP_PREFETCH(ks);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 5, 6);
-                if (more) _tile_loadd(6, b0 + (ks + 1) * 512, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                if (more) _tile_loadd(4, an, a_stride);
-                _tile_dpbf16ps(3, 5, 7);
-                if (more) { _tile_loadd(5, an + a_rt, a_stride); _tile_loadd(7, b1 + (ks + 1) * 512, 64); }
-            }
-            _tile_stored(2, c0 + 16, ldc * 4);
-            _tile_stored(3, c1 + 16, ldc * 4);
-        } else if (ktk_amx_pipeline) {
-            _tile_loadd(4, A, a_stride); _tile_loadd(6, b0, 64); _tile_loadd(5, A + a_rt, a_stride);
-            for (int64_t ks = 0; ks < KS; ks++) {
-                const int more = ks + 1 < KS;
-                const uint16_t *an = A + (ks + 1) * a_ks;
-                STEP_PREFETCH(ks);
-                _tile_dpbf16ps(0, 4, 6);
-                if (more) _tile_loadd(4, an, a_stride);
-                _tile_dpbf16ps(1, 5, 6);
-                if (more) { _tile_loadd(5, an + a_rt, a_stride); _tile_loadd(6, b0 + (ks + 1) * 512, 64); }
-            }
-        } else if (tt + 1 < ntt) {
+        if (tt + 1 < ntt) {
             _tile_zero(2); _tile_zero(3);
             for (int64_t ks = 0; ks < KS; ks++) {
                 STEP_PREFETCH(ks);

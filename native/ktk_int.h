@@ -120,7 +120,6 @@ int ktk_amx_usable(void);
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K);
 void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *packed);
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t nt, float *C, int64_t ldc);
-extern int ktk_amx_pipeline;   /* nonzero: the tile loops load the next k-step between this one's products */
 /* ktk_amx_gemm, bringing next_bytes at `next` (the rows converted next) into L2 meanwhile */
 void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *packed, int64_t nt, float *C, int64_t ldc,
                        const uint8_t *next, int64_t next_bytes);

@@ -123,8 +123,6 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->pf_next = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
-        s = getenv("KTINJECT_AMX_PIPELINE");   /* 1: the tile loops' pipelined instruction order (A/B) */
-        ktk_amx_pipeline = s && s[0] == '1';
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {

@@ -9,6 +9,10 @@
  *   /tmp/amx_parts [K]          (K: 2048, V2-Lite's gate/up; 1408 its down)
  *   /tmp/amx_parts more         (gemm by K and placement; items on 1, 8, 16 threads at once)
  *   /tmp/amx_parts place        (gemm with rows and tokens at offsets in 4 KiB or huge pages)
+ *   /tmp/amx_parts flip         (gemm in windows: the same buffers or fresh pages; AP_HUGE=1: huge pages)
+ *   /tmp/amx_parts gap          (gemm once fast, after gaps of spinning or conversions between calls)
+ *   /tmp/amx_parts duty         (gemm speed over time: mixed with conversions, alone, mixed again)
+ *   /tmp/amx_parts data [K]     (gemm on rows of different data; the layer's item sequence on one thread)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #include "ktk_int.h"
@@ -156,6 +160,187 @@ static int place(void) {
     return 0;
 }
 
+/* "data": the same hot GEMM (32 rows x 48 tokens) on rows converted from different data: is the tile
+ * multiply's speed data-dependent? (the layer's GEMM on converted Q4_K rows ran 3x this tool's hot one
+ * on random BF16 rows, one thread, same machine: docs/benchmarks.md, fourteenth session). Then the
+ * layer's sequence on one thread without the pool: per item, gate rows converted, GEMM, up rows
+ * converted, GEMM, SiLU and h stores, each part timed. */
+static int data(int64_t K) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    const int64_t nt = 48, ldc = 48;
+    if (getenv("AP_HEAP")) { void *big = malloc(64 << 20); memset(big, 1, 64 << 20); free(big); }   /* glibc: later blocks from the heap */
+    if (getenv("AP_WARM")) {   /* a second of AVX-512 conversions first, as the default mode runs before its GEMMs */
+        int64_t rb;
+        uint8_t *rows = random_rows(KTK_Q4_K, 2048, 32 * 64, &rb);
+        uint16_t *w = aligned_alloc(64, 32 * 2048 * 2);
+        float *t = aligned_alloc(64, 2048 * 4);
+        for (double t0 = now(); now() - t0 < 1.0;)
+            for (int i = 0; i < 64; i++) ktk_amx_rows_bf16(kern, KTK_Q4_K, rows + (int64_t)i * 32 * rb, rb, 32, 2048, w, t);
+        free(rows); free(w); free(t);
+    }
+    uint16_t *wt = aligned_alloc(64, 32 * K * 2), *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+    float *tmp = aligned_alloc(64, K * 4), *C = aligned_alloc(64, 32 * ldc * 4), *C1 = aligned_alloc(64, 32 * ldc * 4);
+    const float *X[48];
+    float *x = tokens(nt, K, X), *f = aligned_alloc(64, 32 * K * 4);
+    ktk_amx_pack_x(X, nt, K, pk);
+    const char *names[] = {"bf16 random bits", "q4_k converted", "q5_0 converted", "zeros", "f32 small values",
+                           "f32 integers 0-945"};
+    const int nv = getenv("AP_QUICK") ? 1 : 6;   /* AP_QUICK: the first case alone */
+    for (int v = 0; v < nv; v++) {
+        int64_t rb;
+        int type = v == 1 ? KTK_Q4_K : v == 2 ? KTK_Q5_0 : KTK_BF16;
+        if (v == 1 && K % 256) continue;
+        if (v >= 3) {
+            uint64_t r = 1234567;
+            for (int64_t i = 0; i < 32 * K; i++) {
+                r ^= r << 13; r ^= r >> 7; r ^= r << 17;
+                f[i] = v == 3 ? 0.f : v == 4 ? (float)(int64_t)(r % 2001 - 1000) * 1e-4f : (float)(r % 946);
+            }
+            ktk_amx_rows_bf16(kern, KTK_F32, (const uint8_t *)f, K * 4, 32, K, wt, tmp);
+        } else {
+            uint8_t *rows = random_rows(type, K, 32, &rb);
+            ktk_amx_rows_bf16(kern, type, rows, rb, 32, K, wt, tmp);
+            free(rows);
+        }
+        const double dt = gemm_time(wt, K, pk, nt, C, ldc, 2000, 3);
+        printf("data: gemm 32 rows x 48 tokens, K=%ld, rows %s: %.2f us, %.3f TFLOPS\n", (long)K, names[v], dt * 1e6,
+               2.0 * 32 * nt * K / dt * 1e-12);
+    }
+    if (nv == 1) { free(wt); free(pk); free(tmp); free(C); free(C1); free(x); free(f); return 0; }
+    /* the layer's sequence, one expert's items (K = hidden: gate/up rows of K, 1408 items' worth of rows) */
+    const int type = K % 256 ? KTK_Q5_0 : KTK_Q4_K, ITEMS = 44;
+    int64_t rb;
+    uint8_t *g = random_rows(type, K, 32 * ITEMS, &rb), *u = random_rows(type, K, 32 * ITEMS, &rb);
+    float *h = aligned_alloc(64, (size_t)nt * 32 * ITEMS * 4);
+    for (int pass = 0; pass < 3; pass++) {
+        double tc = 0, tg = 0, ts = 0, t0;
+        for (int i = 0; i < ITEMS; i++) {
+            t0 = now(); ktk_amx_rows_bf16(kern, type, g + (int64_t)i * 32 * rb, rb, 32, K, wt, tmp); tc += now() - t0;
+            t0 = now(); ktk_amx_gemm_next(wt, K, pk, nt, C, ldc, u + (int64_t)i * 32 * rb, 32 * rb); tg += now() - t0;
+            t0 = now(); ktk_amx_rows_bf16(kern, type, u + (int64_t)i * 32 * rb, rb, 32, K, wt, tmp); tc += now() - t0;
+            t0 = now(); ktk_amx_gemm(wt, K, pk, nt, C1, ldc); tg += now() - t0;
+            t0 = now();
+            ktk_amx_silu_mul(C, C1, ldc, 32);
+            ktk_amx_c_to_rows(C, ldc, 32, nt, h + i * 32, NULL, 32 * ITEMS, NULL);
+            ts += now() - t0;
+        }
+        printf("seq pass %d (%s rows, K=%ld, 48 tokens): per block convert %.2f us, gemm %.2f us; per item SiLU + h %.2f us\n",
+               pass, type == KTK_Q4_K ? "q4_k" : "q5_0", (long)K, tc / (2 * ITEMS) * 1e6, tg / (2 * ITEMS) * 1e6, ts / ITEMS * 1e6);
+    }
+    free(g); free(u); free(h); free(wt); free(pk); free(tmp); free(C); free(C1); free(x); free(f);
+    return 0;
+}
+
+/* "flip": the hot GEMM (32 rows x 48 tokens, K 2048) timed in 30 windows of one process: even windows
+ * on one pair of buffers, odd ones on a pair freshly mapped (new physical pages) each time. Tells a
+ * GEMM speed that follows the buffers' pages from one that follows the time (the host). */
+static int flip(void) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    const int64_t K = 2048, nt = 48, ldc = 48, wbytes = 32 * K * 2, pbytes = ktk_amx_pack_x_elems(nt, K) * 2;
+    const int huge = getenv("AP_HUGE") != NULL;
+    const float *X[48];
+    float *x = tokens(nt, K, X), *C = aligned_alloc(64, 32 * ldc * 4), *tmp = aligned_alloc(64, K * 4);
+    int64_t rb;
+    uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb), *keep = NULL;
+    for (int w = 0; w < 30; w++) {
+        uint8_t *m = keep;
+        if (!m || w % 2) {
+            m = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) return 1;
+            uint8_t *b = (uint8_t *)(((uintptr_t)m + (2 << 20) - 1) & ~(uintptr_t)((2 << 20) - 1));
+            madvise(b, 2 << 20, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+            memset(b, 0, 2 << 20);
+            m = b;
+            if (!keep) keep = m;
+        }
+        uint16_t *wt = (uint16_t *)m, *pk = (uint16_t *)(m + ((wbytes + 4095) & ~4095));
+        ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
+        ktk_amx_pack_x(X, nt, K, pk);
+        const double dt = gemm_time(wt, K, pk, nt, C, ldc, 1000, 2);
+        printf("flip window %2d, %s buffers: %.2f us\n", w, m == keep ? "same " : "fresh", dt * 1e6);
+    }
+    (void)pbytes;
+    free(x); free(C); free(tmp); free(bf);
+    return 0;
+}
+
+/* "gap": does the tile unit slow down when other work runs between GEMMs? The hot GEMM (32 x 48, K
+ * 2048) run back to back for up to 3 s until it is fast, then each call preceded by a gap of spinning
+ * or of AVX-512 conversions (hot rows, 32 x 2048 Q4_K per 6-7 us) of a given length; median per case. */
+static int cmp_d(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
+
+static int gap(void) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    const int64_t K = 2048, nt = 48, ldc = 48;
+    const float *X[48];
+    float *x = tokens(nt, K, X), *C = aligned_alloc(64, 32 * ldc * 4), *tmp = aligned_alloc(64, K * 4);
+    uint16_t *wt = aligned_alloc(64, 32 * K * 2), *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2), *w2 = aligned_alloc(64, 32 * K * 2);
+    int64_t rb, rq;
+    uint8_t *bf = random_rows(KTK_BF16, K, 32, &rb), *q = random_rows(KTK_Q4_K, K, 32, &rq);
+    ktk_amx_rows_bf16(kern, KTK_BF16, bf, rb, 32, K, wt, tmp);
+    ktk_amx_pack_x(X, nt, K, pk);
+    double t0 = now(), dt = 0;
+    int fast = 0;
+    while (now() - t0 < 3.0 && fast < 20) {
+        dt = gemm_time(wt, K, pk, nt, C, ldc, 500, 1);
+        fast = dt < 7e-6 ? fast + 1 : 0;
+    }
+    printf("gap: back to back after %.2f s: %.2f us (%s)\n", now() - t0, dt * 1e6, fast ? "fast" : "still slow");
+    static double v[400];
+    const double gaps[] = {0, 1e-6, 3e-6, 10e-6, 30e-6, 100e-6, 300e-6, 1e-3};
+    for (int kind = 0; kind < 2; kind++)
+        for (int gi = 0; gi < 8; gi++) {
+            const int n = gaps[gi] >= 300e-6 ? 100 : 400;
+            for (int i = 0; i < n; i++) {
+                double g0 = now();
+                if (gaps[gi] > 0)
+                    do { if (kind) ktk_amx_rows_bf16(kern, KTK_Q4_K, q, rq, 32, K, w2, tmp); } while (now() - g0 < gaps[gi]);
+                double a = now();
+                ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+                v[i] = now() - a;
+            }
+            qsort(v, n, sizeof v[0], cmp_d);
+            printf("gap: %s %6.0f us before each GEMM: median %.2f us, p10 %.2f, p90 %.2f\n", kind ? "conversions" : "spinning   ",
+                   gaps[gi] * 1e6, v[n / 2] * 1e6, v[n / 10] * 1e6, v[n * 9 / 10] * 1e6);
+        }
+    printf("gap: back to back at the end: %.2f us\n", gemm_time(wt, K, pk, nt, C, ldc, 500, 3) * 1e6);
+    free(x); free(C); free(tmp); free(wt); free(pk); free(w2); free(bf); free(q);
+    return 0;
+}
+
+/* "duty": does the tile unit turn fast only under sustained use? In one process, 100 ms windows of
+ * (a) the layer's mix, convert 32 hot Q4_K rows then the GEMM, for 3 s, then (b) GEMMs alone for 3 s,
+ * then (a) again; each window's mean GEMM time (the GEMM alone timed inside the mix). */
+static int duty(void) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
+    const int64_t K = 2048, nt = 48, ldc = 48;
+    const float *X[48];
+    float *x = tokens(nt, K, X), *C = aligned_alloc(64, 32 * ldc * 4), *tmp = aligned_alloc(64, K * 4);
+    uint16_t *wt = aligned_alloc(64, 32 * K * 2), *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+    int64_t rq;
+    uint8_t *q = random_rows(KTK_Q4_K, K, 32, &rq);
+    ktk_amx_rows_bf16(kern, KTK_Q4_K, q, rq, 32, K, wt, tmp);
+    ktk_amx_pack_x(X, nt, K, pk);
+    for (int phase = 0; phase < 3; phase++) {
+        const int mix = phase != 1;
+        printf("duty %s:", mix ? "convert + GEMM" : "GEMM alone    ");
+        for (int wdw = 0; wdw < 30; wdw++) {
+            double t0 = now(), g = 0;
+            long n = 0;
+            while (now() - t0 < 0.1) {
+                if (mix) ktk_amx_rows_bf16(kern, KTK_Q4_K, q, rq, 32, K, wt, tmp);
+                double a = now();
+                ktk_amx_gemm(wt, K, pk, nt, C, ldc);
+                g += now() - a; n++;
+            }
+            printf(" %.1f", g / n * 1e6);
+        }
+        printf(" us\n");
+    }
+    free(x); free(C); free(tmp); free(wt); free(pk); free(q);
+    return 0;
+}
+
 #if defined(KTK_LAYER_TRACE)
 #include <x86intrin.h>
 /* "layer": one DeepSeek-V2-Lite MoE layer (64 experts of 1408, Q4_K gate/up, Q5_0 down, top-6) at
@@ -225,13 +410,15 @@ static int layer(int nthreads) {
 
 int main(int argc, char **argv) {
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
-    const char *pipe = getenv("KTINJECT_AMX_PIPELINE");   /* the tile loops' order, as moe.c reads it */
-    ktk_amx_pipeline = pipe && pipe[0] == '1';
 #if defined(KTK_LAYER_TRACE)
     if (argc > 1 && !strcmp(argv[1], "layer")) return layer(argc > 2 ? atoi(argv[2]) : 16);
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
+    if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
+    if (argc > 1 && !strcmp(argv[1], "gap")) return gap();
+    if (argc > 1 && !strcmp(argv[1], "duty")) return duty();
+    if (argc > 1 && !strcmp(argv[1], "data")) return data(argc > 2 ? atoll(argv[2]) : 2048);
     const int64_t K = argc > 1 ? atoll(argv[1]) : 2048, COLD = 4096;   /* cold set: 4096 blocks of 32 rows */
     const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX512);
     uint16_t *wt = aligned_alloc(64, 32 * K * 2);

@@ -6,8 +6,9 @@
  *     gcc -O2 -pthread -mamx-tile -mamx-bf16 scripts/amx_peak.c -o /tmp/amx_peak
  *     for t in 1 8 16; do /tmp/amx_peak $t; done
  * Measured on the lent Xeon (eleventh session, the single-thread version): 0.91 TFLOPS from
- * tiles, 0.54-0.85 with loads. The loads are also timed in the pipelined order (each k-step's
- * loads between the previous step's products), not yet run on the lent Xeon. */
+ * tiles, 0.54-0.85 with loads; fourteenth session, 1.37-1.41 a thread from tiles on one thread. The
+ * lent host's tile unit changes speed over time by up to 3x (docs/benchmarks.md, fourteenth
+ * session, `amx_parts duty`): compare rates from one run only. */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <pthread.h>
@@ -29,7 +30,7 @@ typedef struct __attribute__((packed, aligned(64))) {
     uint8_t rows[16];
 } tilecfg_t;
 
-typedef struct { double tiles_s, loads_s[4], pipe_s[4]; } result_t;
+typedef struct { double tiles_s, loads_s[4]; } result_t;
 
 static pthread_barrier_t start;
 
@@ -75,22 +76,6 @@ static void *run(void *arg) {
         }
         _tile_stored(0, c, 64);
         res->loads_s[s] = now() - t;
-        /* the same loads, each issued right after the last product that reads its tile (native/amx.c,
-         * KTINJECT_AMX_PIPELINE=1) */
-        _tile_loadd(4, a, 64); _tile_loadd(6, b, 64); _tile_loadd(5, a + 512, 64); _tile_loadd(7, b + 512, 64);
-        pthread_barrier_wait(&start);
-        t = now();
-        for (long i = 0; i < REPS / 4; i++) {
-            long o = ((i + 1) % span) * 1024;
-            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
-            _tile_loadd(6, b + o, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(4, a + o, 64);
-            _tile_dpbf16ps(3, 5, 7);
-            _tile_loadd(5, a + o + 512, 64); _tile_loadd(7, b + o + 512, 64);
-        }
-        _tile_stored(0, c, 64);
-        res->pipe_s[s] = now() - t;
     }
     _tile_release();
     free(a); free(b); free(c);
@@ -107,17 +92,15 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, run, &res[i]);
     for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
     const double flop = 4.0 * REPS * 16 * 16 * 32 * 2;   /* per thread, each phase */
-    double tiles = 0, loads[4] = {0, 0, 0, 0}, pipe[4] = {0, 0, 0, 0};
+    double tiles = 0, loads[4] = {0, 0, 0, 0};
     for (int i = 0; i < n; i++) {
         tiles += flop / res[i].tiles_s / 1e12;
         for (int s = 0; s < 4; s++) {
             loads[s] += flop / 4 / res[i].loads_s[s] / 1e12;
-            pipe[s] += flop / 4 / res[i].pipe_s[s] / 1e12;
         }
     }
     printf("%d threads: from tiles %.2f TFLOPS (%.2f a thread); with loads over 4/16/64/256 KiB: "
-           "%.2f %.2f %.2f %.2f TFLOPS; pipelined order: %.2f %.2f %.2f %.2f\n", n, tiles, tiles / n,
-           loads[0], loads[1], loads[2], loads[3], pipe[0], pipe[1], pipe[2], pipe[3]);
+           "%.2f %.2f %.2f %.2f TFLOPS\n", n, tiles, tiles / n, loads[0], loads[1], loads[2], loads[3]);
     free(th); free(res);
     return 0;
 }

@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxpipe] [chunkab] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [chunkab] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -213,17 +213,12 @@ if [[ $steps == *" amxtrace "* ]]; then   # each part's time inside one AMX laye
   done
   timeout 60 /tmp/amx_parts_tr layer 1 | tee -a "$OUT/amx_trace.txt"
 fi
-if [[ $steps == *" amxpipe "* ]]; then   # the tile loops' instruction order: each k-step's loads between the previous
-  # step's products (KTINJECT_AMX_PIPELINE=1) against all loads first; the unit alone, the GEMM alone, then the layer
-  timeout -s KILL 120 python3 -m pytest -q -p no:cacheprovider tests/test_native_kernels.py tests/test_amx_emulated.py 2>&1 | tail -1
-  gcc -O2 -pthread -mamx-tile -mamx-bf16 scripts/amx_peak.c -o /tmp/amx_peak && for t in 1 16; do /tmp/amx_peak $t; done \
-    | tee -a "$OUT/amx_pipe.txt"
+if [[ $steps == *" amxmode "* ]]; then   # the host's tile-unit speed over time (it moves by up to 3x): the hot
+  # GEMM on three cores, then in 100 ms windows mixed with conversions and alone, then after gaps between calls
   amx_parts /tmp/amx_parts
-  for p in 0 1; do KTINJECT_AMX_PIPELINE=$p timeout 60 /tmp/amx_parts 2048 | grep "^gemm" | sed "s/^/pipeline=$p /" \
-    | tee -a "$OUT/amx_pipe.txt"; done
-  for i in $(seq ${AB_ROUNDS:-2}); do
-    for p in 0 1; do amx_layer "pipeline=$p" amx_pipe.txt KTINJECT_AMX_PIPELINE=$p; done
-  done
+  for c in 0 5 11; do echo "cpu $c: $(AP_QUICK=1 taskset -c $c /tmp/amx_parts data 2048)"; done | tee -a "$OUT/amx_mode.txt"
+  taskset -c 5 timeout 30 /tmp/amx_parts duty | tee -a "$OUT/amx_mode.txt"
+  taskset -c 3 timeout 30 /tmp/amx_parts gap | tee -a "$OUT/amx_mode.txt"
 fi
 if [[ $steps == *" chunkab "* ]]; then   # prefill by chunk size (CPU experts on AMX convert every weight once per
   # chunk, so larger chunks amortize it), V2-Lite hybrid, alternating; CHUNKS: the sizes

@@ -2,8 +2,7 @@
 -DKTK_AMX_EMULATE, where amx.c's tile intrinsics run on a software tile unit. For every type it
 checks ktk_amx_rows_bf16's tile-major rows value by value and ktk_amx_gemm (token tile pairs and a
 last single tile, token counts not a multiple of 16, two C strides) against a double-precision dot,
-its pipelined instruction order (KTINJECT_AMX_PIPELINE) bit for bit against the plain one,
-then the SiLU epilogue against libm (huge, infinite and NaN inputs too) and the MoE layer's grouped
+BF16 rows read in place by the tiles bit for bit against the converted ones, then the SiLU epilogue against libm (huge, infinite and NaN inputs too) and the MoE layer's grouped
 path (packing, epilogue, down projection) against the scalar path. On a CPU with AVX-512
 F/BW/VL/DQ a second build (-DKTK_AMX_EMULATE_WRITERS) runs the real AVX-512 row writers and exp,
 with the two AVX512-BF16 conversions emulated. The real tiles are checked on an AMX machine by
