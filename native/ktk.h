@@ -153,6 +153,10 @@ int ktk_pool_pin_outside(ktk_pool *p);
 
 /* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ---- */
 double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
+/* ---- tile-unit probe (AMX): us per 32 x 48 x 2048 bf16 tile GEMM, hot, for n items run by the
+ * pool's workers (one each when n = threads) into us[0 .. n). KTK_OK, KTK_EINVAL, KTK_EISA (no
+ * usable AMX), KTK_ENOMEM. */
+int ktk_probe_amx_gemm(ktk_pool *p, double *us, int n);
 
 /* ---- K-quant quantizers (kquant.c): n super-blocks of 256 floats -> Q4_K / Q5_K / Q6_K blocks
  * (type KTK_Q4_K, KTK_Q5_K or KTK_Q6_K; out holds n * 144 / 176 / 210 bytes). KTK_OK, KTK_EINVAL,

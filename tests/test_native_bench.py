@@ -66,3 +66,25 @@ def test_bench_model_json_on_the_cpu(capsys, tmp_path):
     assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--repeat", "0"]) == 2
     assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--chunk-size", "0"]) == 2
     assert "chunk size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_amx_tile_probe(capsys):
+    """The tile-unit probe `bench experts --isa amx` reports around each measurement: one timing per
+    worker where AMX is usable (on the device), a NativeError naming the probe elsewhere."""
+    pool = native.Pool(2)
+    if "amx" in native.usable_isas():
+        us = native.probe_amx_gemm(pool)
+        assert len(us) == 2 and all(0.5 < u < 5000 for u in us)
+        rc = main(["bench", "experts", *TINY, "--quant", "bf16", "--batch", "20", "--threads", "2", "--isa", "amx", "--json"])
+        assert rc == 0
+        row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        p = row["amx_probe_us"]
+        assert 0.5 < p["min"] <= min(p["before"], p["after"]) <= max(p["before"], p["after"]) <= p["max"]
+    else:
+        with pytest.raises(native.NativeError, match="AMX tile probe"):
+            native.probe_amx_gemm(pool)
+
+
+def test_tile_probe_summary():
+    from ktinject.cli.bench import _tile_probe
+    assert _tile_probe([4.3, 12.0, 4.4], [13.0, 4.2, 4.5]) == {"before": 4.4, "after": 4.5, "min": 4.2, "max": 13.0}

@@ -102,6 +102,11 @@ def bench_model(args) -> int:
     t.add_row("decode roofline", f"{res.roofline_tokens_per_s:.1f} tok/s")
     t.add_row("fraction of roofline", f"{res.fraction:.2f}")
     console.print(t)
+    for r in rows:
+        if "amx_probe_us" in r:
+            p = r["amx_probe_us"]
+            console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: AMX tile probe (32x48x2048 GEMM a "
+                          f"worker, median us) {p['before']} before, {p['after']} after, range {p['min']}-{p['max']}")
     console.print(f"[dim]{'; '.join(res.notes)}[/]")
     return 0
 
@@ -135,7 +140,7 @@ def down_type(qt, inter: int):
 def bench_experts(args) -> int:
     import torch
     from .. import native
-    from ..native import MoEKernel, Pool, probe_read_gbps
+    from ..native import MoEKernel, Pool, probe_amx_gemm, probe_read_gbps
     from ..native.synth import parse_quant
     from ..testing import random_routing
     if not native.available():
@@ -170,6 +175,7 @@ def bench_experts(args) -> int:
                     kern(x, *routes[i % 4])
                 if args.trace:
                     native.pool_trace(pool)                 # reset the sums
+                tiles_before = probe_amx_gemm(pool) if isa_name == "amx" else None
                 n_calls, t0 = 0, time.perf_counter()
                 bytes_read = 0
                 while True:
@@ -192,6 +198,8 @@ def bench_experts(args) -> int:
                        "shape": {"hidden": H, "inter": I, "experts": E, "topk": k}}
                 if args.trace:
                     row["trace_us"] = native.pool_trace(pool) or {}
+                if tiles_before is not None:               # the tile unit's speed around the run (it can move 3x)
+                    row["amx_probe_us"] = _tile_probe(tiles_before, probe_amx_gemm(pool))
                 rows.append(row)
                 if args.json:
                     sys.stdout.write(json.dumps(row) + "\n")     # machine-readable: one object per line
@@ -200,6 +208,15 @@ def bench_experts(args) -> int:
     if not args.json:
         _table(rows)
     return 0
+
+
+def _tile_probe(before: list[float], after: list[float]) -> dict:
+    """The workers' tile GEMM times before and after a measurement: medians, and the extremes.
+    Hot, this GEMM runs 4.2-4.6 us on the lent Xeon's tile unit at full speed and 11-15 us when the
+    host slows it (docs/benchmarks.md, fourteenth session)."""
+    med = lambda v: sorted(v)[len(v) // 2]   # noqa: E731
+    return {"before": round(med(before), 2), "after": round(med(after), 2),
+            "min": round(min(before + after), 2), "max": round(max(before + after), 2)}
 
 
 def _table(rows) -> None:

@@ -336,9 +336,20 @@ def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[s
     return v
 
 
+def probe_amx_gemm(pool: Pool) -> list[float]:
+    """Microseconds per hot 32 x 48 x 2048 bf16 tile GEMM (the AMX prefill path's block), one
+    timing per pool worker: the tile unit's speed at the moment, which on a shared host can move by
+    3x over time (docs/benchmarks.md, fourteenth session). NativeError without usable AMX."""
+    lib, ffi = load()
+    n = pool.threads
+    buf = ffi.new("double[]", n)
+    check(lib.ktk_probe_amx_gemm(pool.ptr, buf, n), "AMX tile probe")
+    return [float(buf[i]) for i in range(n)]
+
+
 from .moe import MoEKernel, ExpertMatrix, repack_r16, r16_dequant, r16_gemv, r16_row_bytes  # noqa: E402,F401  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
-           "pool_trace", "probe_read_gbps", "row_bytes",
+           "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes",
            "usable_isas"]
