@@ -40,7 +40,7 @@ struct ktk_moe {
     ktk_moe_desc d;
     ktk_pool *pool;
     const ktk_kernels *K;
-    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place, pf_next, packed_f32;
+    int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place, pf_next, packed_f32, vnni_on;
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -58,6 +58,9 @@ struct ktk_moe {
     void *xpk_mem, *hpk_mem;
     int packed;                                        /* grouped experts' tokens packed per expert (AMX, or pack_f32) */
     float *xpf, *hpf;                                  /* packed f32 tokens for gemm_packed (in xpk_mem, hpk_mem) */
+    int vnni_gu, vnni_dn;                              /* gate/up, down on the 8-bit grouped path (pack_q8, gemm_q8) */
+    int8_t *xq8, *hq8;                                 /* its packed tokens and their scales (in xpk_mem, hpk_mem) */
+    float *xs8, *hs8;
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
 
@@ -123,6 +126,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->pf_next = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
+        s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX-512 grouped work in f32, not 8-bit integers (A/B) */
+        m->vnni_on = !(s && s[0] == '0');
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {
@@ -164,7 +169,16 @@ static inline void prefetch_row(const uint8_t *p, int64_t bytes) { ktk_prefetch(
 
 /* C[j * s->ct + r * s->cr] = row (r0 + r) of expert matrix . token j, on the grouped f32 path. */
 static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
-                    const float *const *X, const float *pk, int64_t nt, float *C) {
+                    const float *const *X, const float *pk, const int8_t *pq, const float *ps, int64_t nt, float *C) {
+    if (pq) {   /* the 8-bit path: rows to bytes with per-32 scales (in wf's space), tokens packed by pack_q8 */
+        uint8_t *U = (uint8_t *)s->wf;
+        float *S = (float *)(U + RC * K), *Mn = S + RC * K / 32;
+        const int64_t ldc = (nt + 15) / 16 * 16;
+        m->K->rows_u8(type, rows, rb, RC, K, U, S, Mn);
+        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc);
+        s->ct = 1; s->cr = ldc;
+        return;
+    }
     for (int r = 0; r < RC; r++) m->K->dequant(type, rows + r * rb, s->wf + (int64_t)r * K, K);
     if (pk) {   /* the expert's tokens packed (pack_f32): C row-major, as on AMX */
         const int64_t ldc = (nt + 15) / 16 * 16;
@@ -208,8 +222,10 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, NULL, 0, tid, 0);
         } else {
             const float *pf = m->xpf ? m->xpf + m->pk_off[e] * H : NULL;
-            grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, pf, n, s.c0);
-            grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, pf, n, s.c1);
+            const int8_t *pq = m->vnni_gu ? m->xq8 + m->pk_off[e] * H : NULL;
+            const float *ps = m->vnni_gu ? m->xs8 + m->pk_off[e] / 16 * H : NULL;
+            grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, pf, pq, ps, n, s.c0);
+            grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, pf, pq, ps, n, s.c1);
         }
         if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
             TR_START();
@@ -345,7 +361,8 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
                             nx, RC * d->down_rb, tid, 3);
             } else {
                 grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base,
-                        m->hpf ? m->hpf + m->pk_off[e] * I : NULL, n, s.c0);
+                        m->hpf ? m->hpf + m->pk_off[e] * I : NULL, m->vnni_dn ? m->hq8 + m->pk_off[e] * I : NULL,
+                        m->vnni_dn ? m->hs8 + m->pk_off[e] / 16 * I : NULL, n, s.c0);
             }
             TR_START();
             if (s.ct == 1) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->out + r0, m->tok + base, H, m->wt + base);
@@ -394,6 +411,8 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         { int64_t e = m->tile_list[item - m->nq0];
           TR_START();
           if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+          else if (m->vnni_gu)
+              m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * H);
           else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
           TR_ADD(tid, 6); }
         break;
@@ -408,6 +427,8 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         { int64_t e = m->tile_list[item - m->nplain];
           TR_START();
           if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
+          else if (m->vnni_dn)
+              m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * I);
           else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
           TR_ADD(tid, 7); }
         break;
@@ -458,7 +479,12 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
 #endif
     m->isa = isa;
     m->packed = m->amx || (K->pack_f32 && K->gemm_packed && m->packed_f32);
+    const int vnni = !m->amx && m->packed && m->vnni_on && K->pack_q8 && K->rows_u8 && K->gemm_q8;
+    m->vnni_gu = vnni && ktk_u8_type(d->gate_type) && ktk_u8_type(d->up_type);
+    m->vnni_dn = vnni && ktk_u8_type(d->down_type);
     m->xpf = m->hpf = NULL;
+    m->xq8 = m->hq8 = NULL;
+    m->xs8 = m->hs8 = NULL;
     m->nact = m->ntile = m->maxcnt = m->nplain = 0;
     int64_t npad = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -479,10 +505,16 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->xpk = grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpk, &fail);
         m->hpk = grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpk, &fail);
         if (fail) return KTK_ENOMEM;
-    } else if (m->packed && npad) {
-        m->xpf = (float *)grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpf, &fail);
-        m->hpf = (float *)grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpf, &fail);
+    } else if (m->packed && npad) {   /* 8-bit: npad * K bytes, then npad / 16 * K floats of scales; f32: npad * K floats */
+        size_t xb = m->vnni_gu ? (size_t)(npad * H) * 2 : (size_t)(npad * H) * sizeof(float);
+        size_t hb = m->vnni_dn ? (size_t)(npad * I) * 2 : (size_t)(npad * I) * sizeof(float);
+        uint8_t *xm = (uint8_t *)grow_pk(&m->xpk_mem, &m->cap_xpk, xb, &fail);
+        uint8_t *hm = (uint8_t *)grow_pk(&m->hpk_mem, &m->cap_hpk, hb, &fail);
         if (fail) return KTK_ENOMEM;
+        if (m->vnni_gu) { m->xq8 = (int8_t *)xm; m->xs8 = (float *)(xm + npad * H); }
+        else m->xpf = (float *)xm;
+        if (m->vnni_dn) { m->hq8 = (int8_t *)hm; m->hs8 = (float *)(hm + npad * I); }
+        else m->hpf = (float *)hm;
     }
     m->K = K; m->pool = p; m->T = T; m->k = k; m->P = P; m->x = x; m->w = w; m->out = out;
     m->rcd = (m->maxcnt > 0 || H % 64) ? RC : RC / 2;   /* decode: finer down items balance better */
