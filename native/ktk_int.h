@@ -81,8 +81,8 @@ typedef struct {
      * W[r] . token t (R % 8 == 0, t < nt rounded up to the panel width, ldc >= that) */
     void (*pack_f32)(const float *const *X, int64_t nt, int64_t K, float *pk);
     void (*gemm_packed)(const float *W, int64_t R, int64_t K, const float *pk, int64_t nt, float *C, int64_t ldc);
-    /* optional (AVX-512 VNNI; NULL elsewhere): the grouped path in 8-bit integers, for the types
-     * of ktk_u8_type. pack_q8: the expert's nt tokens quantized per 32 values as quant_act does
+    /* optional (AVX2, AVX-512; NULL in scalar): the grouped path in 8-bit integers, for the types
+     * in u8_types. pack_q8: the expert's nt tokens quantized per 32 values as quant_act does
      * (d = max|x| / 127, q = round(x / d)), in panels of 16 tokens: panel g at pk + g * K * 16 holds,
      * for every 4 values k .. k+3, the 16 tokens' 4 bytes (64 bytes); ps + (g * K / 32 + b) * 32
      * holds block b's 16 values of d, then 16 of d * sum(q) (zeros past nt). rows_u8: nrows GGML
@@ -93,16 +93,13 @@ typedef struct {
     void (*pack_q8)(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ps);
     void (*rows_u8)(int type, const uint8_t *rows, int64_t rb, int nrows, int64_t K, uint8_t *U, float *S, float *Mn);
     void (*gemm_q8)(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
-                    const float *ps, int64_t nt, float *C, int64_t ldc);
+                    const float *ps, int64_t nt, float *C, int64_t ldc, int u4);   /* u4: every U <= 15 */
+    uint32_t u8_types;   /* bit t: rows_u8 / gemm_q8 take type t */
     void (*dequant)(int type, const uint8_t *src, float *dst, int64_t n);   /* one row */
     void (*to_bf16)(const float *x, uint16_t *y, int64_t n);
     uint64_t (*stream)(const uint8_t *p, size_t n);   /* read n bytes (n % 256 == 0), return a checksum */
 } ktk_kernels;
 
-/* the types rows_u8 writes: weight = S * U + Mn per 32 values, U one unsigned byte */
-static inline int ktk_u8_type(int type) {
-    return type == KTK_Q4_0 || type == KTK_Q5_0 || type == KTK_Q8_0 || type == KTK_Q4_K;
-}
 void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
 void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows);   /* g = SiLU(g) * u, ldc % 8 == 0 */
 

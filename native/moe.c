@@ -175,7 +175,7 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
         float *S = (float *)(U + RC * K), *Mn = S + RC * K / 32;
         const int64_t ldc = (nt + 15) / 16 * 16;
         m->K->rows_u8(type, rows, rb, RC, K, U, S, Mn);
-        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc);
+        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc, type == KTK_Q4_0 || type == KTK_Q4_K);
         s->ct = 1; s->cr = ldc;
         return;
     }
@@ -480,8 +480,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->isa = isa;
     m->packed = m->amx || (K->pack_f32 && K->gemm_packed && m->packed_f32);
     const int vnni = !m->amx && m->packed && m->vnni_on && K->pack_q8 && K->rows_u8 && K->gemm_q8;
-    m->vnni_gu = vnni && ktk_u8_type(d->gate_type) && ktk_u8_type(d->up_type);
-    m->vnni_dn = vnni && ktk_u8_type(d->down_type);
+    m->vnni_gu = vnni && (K->u8_types >> d->gate_type & 1) && (K->u8_types >> d->up_type & 1);
+    m->vnni_dn = vnni && (K->u8_types >> d->down_type & 1);
     m->xpf = m->hpf = NULL;
     m->xq8 = m->hq8 = NULL;
     m->xs8 = m->hs8 = NULL;

@@ -100,100 +100,6 @@ static void gemm_packed_avx512(const float *W, int64_t R, int64_t K, const float
  * (4- and 5-bit values as they are, Q8_0 offset by 128) with a scale and an offset per 32 values,
  * and 4 rows x 16-48 tokens are multiplied with vpdpbusd (64 byte products per instruction, 4x the
  * multiply-adds of an f32 FMA): per 32-block the integer sums are scaled once into f32. */
-static void pack_q8_avx512(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ps) {
-    const int64_t nb = K / 32;
-    for (int64_t g = 0; g * 16 < nt; g++) {
-        int8_t *P = pk + g * K * 16;
-        float *S = ps + g * nb * 32;
-        for (int t = 0; t < 16; t++) {
-            const int64_t tok = g * 16 + t;
-            for (int64_t b = 0; b < nb; b++) {
-                int8_t q[32];
-                float d = 0.f, sum = 0.f;
-                if (tok < nt) {
-                    const float *x = X[tok] + b * 32;
-                    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-                    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-                    d = amax / 127.f;
-                    const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-                    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-                    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(i0));
-                    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(i1));
-                    sum = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-                } else {
-                    memset(q, 0, sizeof q);
-                }
-                for (int c = 0; c < 8; c++) memcpy(P + (b * 8 + c) * 64 + t * 4, q + 4 * c, 4);
-                S[b * 32 + t] = d;
-                S[b * 32 + 16 + t] = sum;
-            }
-        }
-    }
-}
-
-/* nrows rows of `type` to U bytes, S and Mn per 32-block (see ktk_kernels.rows_u8) */
-static void rows_u8_avx512(int type, const uint8_t *rows, int64_t rb, int nrows, int64_t K, uint8_t *U, float *S,
-                           float *Mn) {
-    const int64_t nb = K / 32;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (int r = 0; r < nrows; r++, rows += rb, U += K, S += nb, Mn += nb) {
-        switch (type) {
-        case KTK_Q4_0: case KTK_Q5_0: {   /* element i: low nibble of qs[i], i + 16: its high nibble; Q5_0: bit 4 from qh */
-            const int q5 = type == KTK_Q5_0;
-            const int64_t bs = q5 ? (int64_t)sizeof(blk_q5_0) : (int64_t)sizeof(blk_q4_0);
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = rows + b * bs;
-                uint16_t h;
-                memcpy(&h, blk, 2);
-                const float d = ktk_f16_to_f32(h);
-                const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (q5 ? 6 : 2)));
-                __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-                if (q5) {
-                    uint32_t qh;
-                    memcpy(&qh, blk + 2, 4);
-                    u = _mm256_mask_add_epi8(u, (__mmask32)qh, u, _mm256_set1_epi8(0x10));
-                }
-                _mm256_storeu_si256((__m256i *)(U + b * 32), u);
-                S[b] = d;
-                Mn[b] = (q5 ? -16.f : -8.f) * d;
-            }
-            break;
-        }
-        case KTK_Q8_0:
-            for (int64_t b = 0; b < nb; b++) {
-                const blk_q8_0 *x = (const blk_q8_0 *)(rows + b * (int64_t)sizeof(blk_q8_0));
-                const float d = ktk_f16_to_f32(x->d);
-                _mm256_storeu_si256((__m256i *)(U + b * 32), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x->qs),
-                                                                               _mm256_set1_epi8((char)0x80)));
-                S[b] = d;
-                Mn[b] = -128.f * d;
-            }
-            break;
-        case KTK_Q4_K:   /* sub-blocks 2j and 2j + 1: the low and the high nibbles of qs[32j .. 32j + 31] */
-            for (int64_t i = 0; i < K / 256; i++) {
-                const blk_q4_k *x = (const blk_q4_k *)(rows + i * (int64_t)sizeof(blk_q4_k));
-                const float d = ktk_f16_to_f32(x->d), dmin = ktk_f16_to_f32(x->dmin);
-                for (int j = 0; j < 4; j++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j));
-                    const __m256i m = _mm256_set1_epi8(0x0F);
-                    _mm256_storeu_si256((__m256i *)(U + i * 256 + 64 * j), _mm256_and_si256(v, m));
-                    _mm256_storeu_si256((__m256i *)(U + i * 256 + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
-                    for (int h = 0; h < 2; h++) {
-                        uint8_t sc, mn;
-                        ktk_scale_min_k4(2 * j + h, x->scales, &sc, &mn);
-                        S[i * 8 + 2 * j + h] = d * sc;
-                        Mn[i * 8 + 2 * j + h] = -(dmin * mn);
-                    }
-                }
-            }
-            break;
-        default:   /* not a ktk_u8_type: callers check first */
-            memset(U, 0, (size_t)K);
-            for (int64_t b = 0; b < nb; b++) S[b] = Mn[b] = 0.f;
-        }
-    }
-}
-
 /* 4 rows x nv panels (16 tokens each) over all of K: per 32-block 8 steps of 4 bytes, 4 * nv
  * integer accumulators, then those scaled into 4 * nv f32 accumulators. */
 static inline __attribute__((always_inline)) void gemm_q8_4xn(const uint8_t *U, const float *S, const float *Mn,
@@ -244,7 +150,8 @@ static inline __attribute__((always_inline)) void gemm_q8_4xn(const uint8_t *U, 
 }
 
 static void gemm_q8_avx512(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
-                           const float *ps, int64_t nt, float *C, int64_t ldc) {
+                           const float *ps, int64_t nt, float *C, int64_t ldc, int u4) {
+    (void)u4;   /* vpdpbusd widens every step itself */
     const int64_t ng = (nt + 15) / 16, nb = K / 32;
     for (int64_t g0 = 0; g0 < ng; g0 += 3)
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -332,6 +239,7 @@ const ktk_kernels ktk_kernels_avx512 = {
     .gemm_packed = gemm_packed_avx512,
     .pack_q8 = pack_q8_avx512,
     .rows_u8 = rows_u8_avx512,
+    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q8_0 | 1u << KTK_Q4_K,
     .gemm_q8 = gemm_q8_avx512,
     .dequant = dequant_avx512,
     .to_bf16 = to_bf16_avx512,

@@ -35,8 +35,8 @@ def hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("family,preset", [(f, p) for f in FAMILIES for p in PRESETS[f]])
 def test_logits_match_reference(hf_dirs, tmp_path, family, preset, monkeypatch):
     """The loader's check: the prompt's grouped experts in f32, so that quantizing the activations
-    to 8 bits (the AVX-512 grouped path's default, and the row dots') does not hide a wrong
-    weight; test_logits_with_8bit_activations covers that numerics end to end."""
+    to 8 bits (the AVX2 / AVX-512 grouped path's default, and the row dots') does not hide a wrong
+    weight; test_logits_with_8bit_activations covers those numerics end to end."""
     from ktinject.load import optimize_and_load
     monkeypatch.setenv("KTINJECT_VNNI_GROUPED", "0")
     path = gguf_write.convert_model(hf_dirs[family], tmp_path / "m.gguf", preset, progress=False)[0]
@@ -52,8 +52,8 @@ def test_logits_match_reference(hf_dirs, tmp_path, family, preset, monkeypatch):
 
 @pytest.mark.parametrize("family,preset", [("qwen2_moe", "q4_0"), ("deepseek_v2", "q4_k_m")])
 def test_logits_with_8bit_activations(hf_dirs, tmp_path, family, preset, monkeypatch):
-    """The experts with their tokens quantized to 8 bits per 32 values: on AVX-512 the prompt's
-    grouped experts (pack_q8 / gemm_q8), and the row dots (every decode step, any ISA) with the
+    """The experts with their tokens quantized to 8 bits per 32 values: on AVX2 / AVX-512 the
+    prompt's grouped experts (pack_q8 / gemm_q8), and the row dots (every decode step, any ISA) with the
     grouped path off. Both quantize the same way, so their logits errors agree: RMS 2.7% and 2.7%
     (qwen2_moe q4_0), 0.5% and 0.8% (deepseek_v2 q4_k_m, whose row dots quantize per 256 values),
     against 0.07% for the grouped path in f32 (measured on AVX-512)."""

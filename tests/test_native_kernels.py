@@ -99,14 +99,15 @@ def _routing(T, E, k, seed=0):
     return ids, torch.rand(T, k, generator=gen)
 
 
-VNNI_TYPES = (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K)   # native ktk_u8_type: AVX-512 groups them in 8-bit integers
+# the types each ISA's grouped path multiplies in 8-bit integers (the kernel tables' u8_types)
+VNNI_TYPES = {"avx512": (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K), "avx2": (QT.Q4_0, QT.Q5_0, QT.Q4_K)}
 
 
 def _moe_tol(isa: str, qt: QT, grouped: bool) -> float:
     if isa == "scalar" or (qt == QT.BF16 and not grouped):
         return 1e-4
     if grouped:
-        if isa == "avx512" and qt in VNNI_TYPES:   # tokens quantized to 8 bits, as on the row-dot path
+        if qt in VNNI_TYPES.get(isa, ()):   # tokens quantized to 8 bits, as on the row-dot path
             return 4e-2
         return 2e-2 if isa == "amx" else 1e-4
     return 4e-2
@@ -153,13 +154,13 @@ def test_moe_packed_f32_path_matches_unpacked(isa, qt, monkeypatch):
         assert rel_err(packed, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, T)
 
 
-@pytest.mark.skipif("avx512" not in ISAS, reason="needs the AVX-512 path")
-@pytest.mark.parametrize("qt", VNNI_TYPES, ids=lambda q: q.name)
-def test_moe_vnni_grouped_path(qt, monkeypatch):
-    """The AVX-512 grouped path in 8-bit integers (pack_q8 / rows_u8 / gemm_q8, the default for these
-    types) against the reference, the f32 grouped path ($KTINJECT_VNNI_GROUPED=0) and the row dots
-    (which quantize the tokens the same way): expert sizes from 1 token to past 3 panels, Q4_K
-    gate/up with a Q5_0 down as llama.cpp writes V2-Lite, and a BF16 down (f32 grouped) beside it."""
+@pytest.mark.parametrize("isa,qt", [(i, q) for i in ("avx2", "avx512") if i in ISAS for q in VNNI_TYPES[i]],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_moe_vnni_grouped_path(isa, qt, monkeypatch):
+    """The AVX2 / AVX-512 grouped path in 8-bit integers (pack_q8 / rows_u8 / gemm_q8, the default
+    for these types) against the reference, the f32 grouped path ($KTINJECT_VNNI_GROUPED=0) and the
+    row dots (which quantize the tokens the same way): expert sizes from 1 token to past 3 panels,
+    Q4_K gate/up with a Q5_0 down as llama.cpp writes V2-Lite, and a BF16 down (f32 grouped) beside it."""
     for down_qt in (qt, QT.Q5_0 if qt == QT.Q4_K else QT.BF16):
         (gate, up, down), (G, U, D) = moe_case(qt, down_qt)
         for T in (3, 13, 47, 101):
@@ -170,10 +171,10 @@ def test_moe_vnni_grouped_path(qt, monkeypatch):
             for name, tile_min, vnni in (("vnni", "1", "1"), ("f32", "1", "0"), ("dots", "100000", "1")):
                 monkeypatch.setenv("KTINJECT_TILE_MIN", tile_min)
                 monkeypatch.setenv("KTINJECT_VNNI_GROUPED", vnni)
-                runs[name] = native.MoEKernel(gate, up, down, threads=2, isa="avx512")(x, ids, w)
+                runs[name] = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
             e = {k: rel_err(v, ref) for k, v in runs.items()}
-            assert e["f32"] < 1e-4 and e["vnni"] < 4e-2, (qt.name, down_qt.name, T, e)
-            assert e["vnni"] < 1.5 * e["dots"] + 2e-3, (qt.name, down_qt.name, T, e)
+            assert e["f32"] < 1e-4 and e["vnni"] < 4e-2, (isa, qt.name, down_qt.name, T, e)
+            assert e["vnni"] < 1.5 * e["dots"] + 2e-3, (isa, qt.name, down_qt.name, T, e)
 
 
 @pytest.mark.parametrize("isa", ISAS)
