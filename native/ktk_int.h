@@ -84,22 +84,27 @@ typedef struct {
     /* optional (AVX2, AVX-512; NULL in scalar): the grouped path in 8-bit integers, for the types
      * in u8_types. pack_q8: the expert's nt tokens quantized per 32 values as quant_act does
      * (d = max|x| / 127, q = round(x / d)), in panels of 16 tokens: panel g at pk + g * K * 16 holds,
-     * for every 4 values k .. k+3, the 16 tokens' 4 bytes (64 bytes); ps + (g * K / 32 + b) * 32
-     * holds block b's 16 values of d, then 16 of d * sum(q) (zeros past nt). rows_u8: nrows GGML
-     * rows (rb bytes apart) to bytes U[r * K + k] and, per row r and 32-block b, S and Mn at
-     * [r * K / 32 + b] with weight = S * U + Mn (S, Mn the f32 dequantization's own products).
-     * gemm_q8: C[r * ldc + t] = sum over blocks of S * d * (U . q) + Mn * d * sum(q), for r < R
-     * (R % 4 == 0) and t < nt rounded up to 16 (ldc >= that). */
+     * for every 4 values k .. k+3, the 16 tokens' 4 bytes (64 bytes); ps + (g * K / 32 + b) * 64
+     * holds block b's 16 values of d, then of d * sum(q) over its 32 values, over its first 16 and
+     * over its last 16 (zeros past nt). rows_u8: nrows GGML rows (rb bytes apart) to bytes
+     * U[r * K + k] and, per row r and group j of G values (ktk_u8_group: 16 for Q6_K, else 32),
+     * S and Mn at [r * K / G + j] with weight = S * U + Mn (S, Mn the f32 dequantization's own
+     * products). gemm_q8: C[r * ldc + t] = sum over groups of S * d * (U . q) + Mn * d * sum(q),
+     * for r < R (R % 4 == 0) and t < nt rounded up to 16 (ldc >= that); flags: KTK_Q8_U4 (every
+     * U <= 15), KTK_Q8_G16 (groups of 16). */
     void (*pack_q8)(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ps);
     void (*rows_u8)(int type, const uint8_t *rows, int64_t rb, int nrows, int64_t K, uint8_t *U, float *S, float *Mn);
     void (*gemm_q8)(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
-                    const float *ps, int64_t nt, float *C, int64_t ldc, int u4);   /* u4: every U <= 15 */
+                    const float *ps, int64_t nt, float *C, int64_t ldc, int flags);
     uint32_t u8_types;   /* bit t: rows_u8 / gemm_q8 take type t */
     void (*dequant)(int type, const uint8_t *src, float *dst, int64_t n);   /* one row */
     void (*to_bf16)(const float *x, uint16_t *y, int64_t n);
     uint64_t (*stream)(const uint8_t *p, size_t n);   /* read n bytes (n % 256 == 0), return a checksum */
 } ktk_kernels;
 
+#define KTK_Q8_U4 1    /* gemm_q8 flags */
+#define KTK_Q8_G16 2
+static inline int ktk_u8_group(int type) { return type == KTK_Q6_K ? 16 : 32; }   /* values per S, Mn */
 void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
 void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows);   /* g = SiLU(g) * u, ldc % 8 == 0 */
 

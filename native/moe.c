@@ -172,10 +172,11 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
                     const float *const *X, const float *pk, const int8_t *pq, const float *ps, int64_t nt, float *C) {
     if (pq) {   /* the 8-bit path: rows to bytes with per-32 scales (in wf's space), tokens packed by pack_q8 */
         uint8_t *U = (uint8_t *)s->wf;
-        float *S = (float *)(U + RC * K), *Mn = S + RC * K / 32;
+        float *S = (float *)(U + RC * K), *Mn = S + RC * K / 16;   /* groups of 32 or 16 values */
         const int64_t ldc = (nt + 15) / 16 * 16;
         m->K->rows_u8(type, rows, rb, RC, K, U, S, Mn);
-        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc, type == KTK_Q4_0 || type == KTK_Q4_K);
+        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc,
+                      (type == KTK_Q4_0 || type == KTK_Q4_K ? KTK_Q8_U4 : 0) | (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0));
         s->ct = 1; s->cr = ldc;
         return;
     }
@@ -223,7 +224,7 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         } else {
             const float *pf = m->xpf ? m->xpf + m->pk_off[e] * H : NULL;
             const int8_t *pq = m->vnni_gu ? m->xq8 + m->pk_off[e] * H : NULL;
-            const float *ps = m->vnni_gu ? m->xs8 + m->pk_off[e] / 16 * H : NULL;
+            const float *ps = m->vnni_gu ? m->xs8 + m->pk_off[e] / 16 * 2 * H : NULL;
             grouped(m, &s, d->gate_type, g, d->gate_rb, H, m->xptr + base, pf, pq, ps, n, s.c0);
             grouped(m, &s, d->up_type, u, d->up_rb, H, m->xptr + base, pf, pq, ps, n, s.c1);
         }
@@ -362,7 +363,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             } else {
                 grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base,
                         m->hpf ? m->hpf + m->pk_off[e] * I : NULL, m->vnni_dn ? m->hq8 + m->pk_off[e] * I : NULL,
-                        m->vnni_dn ? m->hs8 + m->pk_off[e] / 16 * I : NULL, n, s.c0);
+                        m->vnni_dn ? m->hs8 + m->pk_off[e] / 16 * 2 * I : NULL, n, s.c0);
             }
             TR_START();
             if (s.ct == 1) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->out + r0, m->tok + base, H, m->wt + base);
@@ -412,7 +413,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
           TR_START();
           if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
           else if (m->vnni_gu)
-              m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * H);
+              m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
           else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
           TR_ADD(tid, 6); }
         break;
@@ -428,7 +429,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
           TR_START();
           if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
           else if (m->vnni_dn)
-              m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * I);
+              m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);
           else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
           TR_ADD(tid, 7); }
         break;
@@ -505,7 +506,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->xpk = grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpk, &fail);
         m->hpk = grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpk, &fail);
         if (fail) return KTK_ENOMEM;
-    } else if (m->packed && npad) {   /* 8-bit: npad * K bytes, then npad / 16 * K floats of scales; f32: npad * K floats */
+    } else if (m->packed && npad) {   /* 8-bit: npad * K bytes, then npad / 16 * 2K floats of scales; f32: npad * K floats */
         size_t xb = m->vnni_gu ? (size_t)(npad * H) * 2 : (size_t)(npad * H) * sizeof(float);
         size_t hb = m->vnni_dn ? (size_t)(npad * I) * 2 : (size_t)(npad * I) * sizeof(float);
         uint8_t *xm = (uint8_t *)grow_pk(&m->xpk_mem, &m->cap_xpk, xb, &fail);

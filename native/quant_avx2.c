@@ -193,9 +193,10 @@ static uint64_t stream_avx2(const uint8_t *p, size_t n) {
     return (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 3);
 }
 
-/* The grouped path in 8-bit integers (ktk_kernels.gemm_q8), for 4- and 5-bit weights (u8_types:
- * bytes <= 31, so maddubs's i16 pair sums, <= 2 * 31 * 127, cannot saturate; Q8_0's offset bytes
- * could, and stay on f32 panels). 4 rows x one 16-token panel (two halves of 8). The i16 pair sums
+/* The grouped path in 8-bit integers (ktk_kernels.gemm_q8), for 4- and 5-bit weights in groups of
+ * 32 (u8_types: bytes <= 31, so maddubs's i16 pair sums, <= 2 * 31 * 127, cannot saturate; Q8_0's and IQ4_XS's offset
+ * bytes could, and Q6_K's 6 bits in groups of 16 would need a widening every 2 steps: they stay on
+ * f32 panels). 4 rows x one 16-token panel (two halves of 8). The i16 pair sums
  * of `steps` 4-value steps are added in i16 before one widening madd: 8 steps (a whole 32-block)
  * for 4-bit bytes (<= 8 * 2 * 15 * 127 = 30480), 4 for 5-bit ones (4 * 2 * 31 * 127 = 31496); each
  * such group's sums are scaled into C in memory. */
@@ -209,7 +210,7 @@ static inline __attribute__((always_inline)) void gemm_q8_4x16(const uint8_t *u,
         _mm256_storeu_ps(c + r * ldc + 8, _mm256_setzero_ps());
     }
     for (int64_t b = 0; b < nb; b++) {
-        const float *pb = PS + b * 32;
+        const float *pb = PS + b * 64;
         for (int k0 = 0; k0 < 8; k0 += steps) {
             __m256i a[4][2];
 #pragma GCC unroll 4
@@ -244,13 +245,13 @@ static inline __attribute__((always_inline)) void gemm_q8_4x16(const uint8_t *u,
 }
 
 static void gemm_q8_avx2(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
-                         const float *ps, int64_t nt, float *C, int64_t ldc, int u4) {
+                         const float *ps, int64_t nt, float *C, int64_t ldc, int flags) {   /* u8_types: no G16 here */
     const int64_t ng = (nt + 15) / 16, nb = K / 32;
     for (int64_t g = 0; g < ng; g++)
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             const int8_t *P = pk + g * K * 16;
-            const float *PS = ps + g * nb * 32;
-            if (u4) gemm_q8_4x16(U + r0 * K, S + r0 * nb, Mn + r0 * nb, K, P, PS, C + r0 * ldc + g * 16, ldc, 8);
+            const float *PS = ps + g * nb * 64;
+            if (flags & KTK_Q8_U4) gemm_q8_4x16(U + r0 * K, S + r0 * nb, Mn + r0 * nb, K, P, PS, C + r0 * ldc + g * 16, ldc, 8);
             else gemm_q8_4x16(U + r0 * K, S + r0 * nb, Mn + r0 * nb, K, P, PS, C + r0 * ldc + g * 16, ldc, 4);
         }
 }
@@ -273,7 +274,7 @@ const ktk_kernels ktk_kernels_avx2 = {
     .pack_q8 = pack_q8_avx2,
     .rows_u8 = rows_u8_avx2,
     .gemm_q8 = gemm_q8_avx2,
-    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q4_K,
+    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K,
     .dequant = dequant_avx2,
     .to_bf16 = to_bf16_avx2,
     .stream = stream_avx2,

@@ -100,32 +100,36 @@ static void gemm_packed_avx512(const float *W, int64_t R, int64_t K, const float
  * (4- and 5-bit values as they are, Q8_0 offset by 128) with a scale and an offset per 32 values,
  * and 4 rows x 16-48 tokens are multiplied with vpdpbusd (64 byte products per instruction, 4x the
  * multiply-adds of an f32 FMA): per 32-block the integer sums are scaled once into f32. */
-/* 4 rows x nv panels (16 tokens each) over all of K: per 32-block 8 steps of 4 bytes, 4 * nv
- * integer accumulators, then those scaled into 4 * nv f32 accumulators. */
+/* 4 rows x nv panels (16 tokens each) over all of K: per group of G values (32, or 16 for g16)
+ * G / 4 steps of 4 bytes into 4 * nv integer accumulators, then those scaled into 4 * nv f32
+ * accumulators with the group's S and Mn. */
 static inline __attribute__((always_inline)) void gemm_q8_4xn(const uint8_t *U, const float *S, const float *Mn,
                                                               int64_t K, const int8_t *P, const float *PS, float *C,
-                                                              int64_t ldc, const int nv) {
-    const int64_t nb = K / 32;
+                                                              int64_t ldc, const int nv, const int g16) {
+    const int64_t nb = K / 32, ng = g16 ? 2 * nb : nb;
+    const int steps = g16 ? 4 : 8;
     __m512 f[4][3];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; r++)
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) f[r][v] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t j = 0; j < ng; j++) {
+        const int64_t b = g16 ? j / 2 : j, k0 = g16 ? (j % 2) * 4 : 0;
         __m512i a[4][3];
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++)
 #pragma GCC unroll 3
             for (int v = 0; v < nv; v++) a[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) {
+        for (int c = 0; c < steps; c++) {
+            const int64_t kc = b * 8 + k0 + c;
             __m512i x[3];
 #pragma GCC unroll 3
-            for (int v = 0; v < nv; v++) x[v] = _mm512_loadu_si512((const void *)(P + v * K * 16 + (b * 8 + c) * 64));
+            for (int v = 0; v < nv; v++) x[v] = _mm512_loadu_si512((const void *)(P + v * K * 16 + kc * 64));
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 int32_t w4;
-                memcpy(&w4, U + r * K + b * 32 + c * 4, 4);
+                memcpy(&w4, U + r * K + kc * 4, 4);
                 const __m512i w = _mm512_set1_epi32(w4);
 #pragma GCC unroll 3
                 for (int v = 0; v < nv; v++) a[r][v] = _mm512_dpbusd_epi32(a[r][v], w, x[v]);
@@ -133,13 +137,13 @@ static inline __attribute__((always_inline)) void gemm_q8_4xn(const uint8_t *U, 
         }
 #pragma GCC unroll 3
         for (int v = 0; v < nv; v++) {
-            const float *ps = PS + (v * nb + b) * 32;
-            const __m512 d = _mm512_loadu_ps(ps), ds = _mm512_loadu_ps(ps + 16);
+            const float *ps = PS + (v * nb + b) * 64;
+            const __m512 d = _mm512_loadu_ps(ps), ds = _mm512_loadu_ps(ps + (g16 ? 32 + 16 * (j % 2) : 16));
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(S[r * nb + b]), d);
+                const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(S[r * ng + j]), d);
                 f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][v]), sd, f[r][v]);
-                f[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(Mn[r * nb + b]), ds, f[r][v]);
+                f[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(Mn[r * ng + j]), ds, f[r][v]);
             }
         }
     }
@@ -150,19 +154,23 @@ static inline __attribute__((always_inline)) void gemm_q8_4xn(const uint8_t *U, 
 }
 
 static void gemm_q8_avx512(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
-                           const float *ps, int64_t nt, float *C, int64_t ldc, int u4) {
-    (void)u4;   /* vpdpbusd widens every step itself */
-    const int64_t ng = (nt + 15) / 16, nb = K / 32;
+                           const float *ps, int64_t nt, float *C, int64_t ldc, int flags) {
+    const int64_t ng = (nt + 15) / 16, nb = K / 32, ngr = flags & KTK_Q8_G16 ? K / 16 : nb;   /* vpdpbusd widens every step: U4 unused */
     for (int64_t g0 = 0; g0 < ng; g0 += 3)
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             const int8_t *P = pk + g0 * K * 16;
-            const float *PS = ps + g0 * nb * 32, *s = S + r0 * nb, *mn = Mn + r0 * nb;
+            const float *PS = ps + g0 * nb * 64, *s = S + r0 * ngr, *mn = Mn + r0 * ngr;
             const uint8_t *u = U + r0 * K;
             float *c = C + r0 * ldc + g0 * 16;
-            switch (ng - g0 < 3 ? (int)(ng - g0) : 3) {
-            case 3: gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 3); break;
-            case 2: gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 2); break;
-            default: gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 1); break;
+            const int nv = ng - g0 < 3 ? (int)(ng - g0) : 3;
+            if (flags & KTK_Q8_G16) {
+                if (nv == 3) gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 3, 1);
+                else if (nv == 2) gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 2, 1);
+                else gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 1, 1);
+            } else {
+                if (nv == 3) gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 3, 0);
+                else if (nv == 2) gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 2, 0);
+                else gemm_q8_4xn(u, s, mn, K, P, PS, c, ldc, 1, 0);
             }
         }
 }
@@ -239,7 +247,8 @@ const ktk_kernels ktk_kernels_avx512 = {
     .gemm_packed = gemm_packed_avx512,
     .pack_q8 = pack_q8_avx512,
     .rows_u8 = rows_u8_avx512,
-    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q8_0 | 1u << KTK_Q4_K,
+    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q8_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K | 1u << KTK_Q6_K |
+                1u << KTK_IQ4_XS,
     .gemm_q8 = gemm_q8_avx512,
     .dequant = dequant_avx512,
     .to_bf16 = to_bf16_avx512,
