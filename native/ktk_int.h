@@ -90,8 +90,7 @@ typedef struct {
      * U[r * K + k] and, per row r and group j of G values (ktk_u8_group: 16 for Q6_K, else 32),
      * S and Mn at [r * K / G + j] with weight = S * U + Mn (S, Mn the f32 dequantization's own
      * products). gemm_q8: C[r * ldc + t] = sum over groups of S * d * (U . q) + Mn * d * sum(q),
-     * for r < R (R % 4 == 0) and t < nt rounded up to 16 (ldc >= that); flags: KTK_Q8_U4 (every
-     * U <= 15), KTK_Q8_G16 (groups of 16). */
+     * for r < R (R % 4 == 0) and t < nt rounded up to 16 (ldc >= that); flags: ktk_u8_flags. */
     void (*pack_q8)(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ps);
     void (*rows_u8)(int type, const uint8_t *rows, int64_t rb, int nrows, int64_t K, uint8_t *U, float *S, float *Mn);
     void (*gemm_q8)(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
@@ -102,9 +101,14 @@ typedef struct {
     uint64_t (*stream)(const uint8_t *p, size_t n);   /* read n bytes (n % 256 == 0), return a checksum */
 } ktk_kernels;
 
-#define KTK_Q8_U4 1    /* gemm_q8 flags */
-#define KTK_Q8_G16 2
+#define KTK_Q8_U4 1    /* gemm_q8 flags: every U <= 15 */
+#define KTK_Q8_G16 2   /* S, Mn per 16 values */
+#define KTK_Q8_U8 4    /* U up to 255 (offset 8-bit types) */
 static inline int ktk_u8_group(int type) { return type == KTK_Q6_K ? 16 : 32; }   /* values per S, Mn */
+static inline int ktk_u8_flags(int type) {   /* the gemm_q8 flags of a u8 type (U <= 31 otherwise) */
+    return (type == KTK_Q4_0 || type == KTK_Q4_K ? KTK_Q8_U4 : 0) | (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0) |
+           (type == KTK_Q8_0 || type == KTK_IQ4_XS ? KTK_Q8_U8 : 0);
+}
 void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
 void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows);   /* g = SiLU(g) * u, ldc % 8 == 0 */
 

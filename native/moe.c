@@ -14,9 +14,10 @@
  * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
  * ($KTINJECT_MULTIROW=0: the one-row kernels). An expert with more (prefill) takes the grouped
- * path: 32 weight rows are dequantized once into per-thread scratch and multiplied with all of
- * its tokens by an f32 GEMM micro-kernel (on AVX2 / AVX-512 against the expert's tokens packed in
- * panels, P0 / P2), or written as bf16 tiles and multiplied by AMX-BF16 tiles on the AMX path. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
+ * path: 32 weight rows are converted once into per-thread scratch and multiplied with all of its
+ * tokens, packed per expert in P0 / P2: on AVX2 / AVX-512 quantized rows as bytes against the
+ * tokens quantized to 8 bits (pack_q8 / rows_u8 / gemm_q8; $KTINJECT_VNNI_GROUPED=0: f32), other
+ * types dequantized against f32 panels; on the AMX path rows as bf16 tiles, by AMX-BF16 tiles. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
  * takes the row-dot path on that copy, several (group, token) pairs per kernel call; the grouped
  * path always reads the GGML rows. */
 #include "ktk_int.h"
@@ -126,7 +127,7 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->pf_next = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
-        s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX-512 grouped work in f32, not 8-bit integers (A/B) */
+        s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
         m->vnni_on = !(s && s[0] == '0');
         if (m->tile_min < 1) m->tile_min = 1;
     }
@@ -167,7 +168,8 @@ static scratch_t get_scratch(ktk_moe *m, int tid) {
 
 static inline void prefetch_row(const uint8_t *p, int64_t bytes) { ktk_prefetch(p, bytes); }
 
-/* C[j * s->ct + r * s->cr] = row (r0 + r) of expert matrix . token j, on the grouped f32 path. */
+/* C[j * s->ct + r * s->cr] = row (r0 + r) of expert matrix . token j, on the grouped path without
+ * AMX: in 8-bit integers (pq, ps: the tokens by pack_q8), else f32 (pk: by pack_f32; NULL: unpacked). */
 static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
                     const float *const *X, const float *pk, const int8_t *pq, const float *ps, int64_t nt, float *C) {
     if (pq) {   /* the 8-bit path: rows to bytes with per-32 scales (in wf's space), tokens packed by pack_q8 */
@@ -175,8 +177,7 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
         float *S = (float *)(U + RC * K), *Mn = S + RC * K / 16;   /* groups of 32 or 16 values */
         const int64_t ldc = (nt + 15) / 16 * 16;
         m->K->rows_u8(type, rows, rb, RC, K, U, S, Mn);
-        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc,
-                      (type == KTK_Q4_0 || type == KTK_Q4_K ? KTK_Q8_U4 : 0) | (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0));
+        m->K->gemm_q8(U, S, Mn, RC, K, pq, ps, nt, C, ldc, ktk_u8_flags(type));
         s->ct = 1; s->cr = ldc;
         return;
     }

@@ -154,10 +154,23 @@ int ktk_dequant_row(int type, const uint8_t *src, float *dst, int64_t n) {
     return KTK_OK;
 }
 
+/* NaN or infinity among n floats: the block is stored with d = NaN and zero values (as quant_simd.inc) */
+static int nonfinite(const float *x, int n) {
+    for (int i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 1;
+    return 0;
+}
+
 void ktk_quant_act_scalar(const float *x0, ktk_q8 *q0, int64_t n) {
     const float *x = x0;
     ktk_q8 *q = q0;
     for (int64_t b = 0; b < n / QK; b++, x += QK, q++) {
+        if (nonfinite(x, QK)) {
+            memset(q->q, 0, sizeof q->q);
+            q->d = q->ds = NAN;
+            q->s[0] = q->s[1] = 0;
+            continue;
+        }
         float amax = 0.f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
         float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
@@ -173,6 +186,12 @@ void ktk_quant_act_scalar(const float *x0, ktk_q8 *q0, int64_t n) {
     ktk_q8k *k = (ktk_q8k *)(q0 + n / QK);
     for (int64_t b = 0; b < n / QKK; b++, k++) {
         const float *xb = x0 + b * QKK;
+        if (nonfinite(xb, QKK)) {
+            memset(k->q, 0, sizeof k->q);
+            memset(k->bsums, 0, sizeof k->bsums);
+            k->d = NAN;
+            continue;
+        }
         float amax = 0.f;
         for (int i = 0; i < QKK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;

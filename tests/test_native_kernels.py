@@ -332,3 +332,23 @@ def test_describe_and_isa_selection(monkeypatch):
 def test_bandwidth_probe_runs():
     gbps = native.probe_read_gbps(native.Pool(2), 64 << 20, reps=2)
     assert 0.1 < gbps < 10000
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0, QT.Q6_K, QT.BF16], ids=lambda q: q.name)
+def test_moe_nan_token_stays_nan(isa, qt, monkeypatch):
+    """A token holding a NaN gives NaN in its own output row and leaves the others finite, on the row
+    dots, the 8-bit grouped path and the f32 grouped path alike (the activation quantizers store such
+    a block with d = NaN; a float-to-int conversion had turned it into huge finite values)."""
+    (gate, up, down), _ = moe_case(qt, qt)
+    x = torch.randn(40, 256)
+    x[3, 17] = float("nan")
+    ids, w = _routing(40, 8, 2, seed=3)
+    for tile_min, vnni in (("100000", "1"), ("4", "1"), ("4", "0")):
+        monkeypatch.setenv("KTINJECT_TILE_MIN", tile_min)
+        monkeypatch.setenv("KTINJECT_VNNI_GROUPED", vnni)
+        out = native.MoEKernel(gate, up, down, threads=2, isa=isa)(x, ids, w)
+        assert torch.isnan(out[3]).any(), (isa, qt.name, tile_min, vnni)
+        keep = torch.ones(40, dtype=torch.bool)
+        keep[3] = False
+        assert torch.isfinite(out[keep]).all(), (isa, qt.name, tile_min, vnni)
