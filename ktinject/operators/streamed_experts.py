@@ -918,7 +918,8 @@ def bench_layer(tokens=(64, 128, 256, 512, 1024, 2048, 4096), *, experts: int = 
                 s, u, c = min(times["stream"]), min(times["upload"]), min(times["cpu"])
                 row = {"tokens": T, "stream_ms": round(s * 1e3, 3), "cpu_ms": round(c * 1e3, 3) if cpu else None,
                        "speedup": round(c / s, 2) if cpu else None, "upload_ms": round(u * 1e3, 3),
-                       "upload_gb_s": round(st["bytes"] / u / 1e9, 1), "stream_gb_s": round(st["bytes"] / s / 1e9, 1),
+                       # three decimals: a small layer on a busy CPU moves well under 0.05 GB/s (rounded to 0.0 before)
+                       "upload_gb_s": round(st["bytes"] / u / 1e9, 3), "stream_gb_s": round(st["bytes"] / s / 1e9, 3),
                        "mode": st["mode"], "chunks": st["chunks"], "copies": st["copies"]}
                 if not rows:
                     row["register_s"] = round(_HOST.seconds - seconds0, 3)
