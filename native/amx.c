@@ -278,15 +278,12 @@ KTK_BF16_TARGET static void row_q4_k(const uint8_t *src, int64_t n, uint16_t *ds
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t i = 0; i < n / 256; i++, src += sizeof(blk_q4_k)) {
         const blk_q4_k *b = (const blk_q4_k *)src;
-        uint32_t u0, u1, u2;
-        memcpy(&u0, b->scales, 4); memcpy(&u1, b->scales + 4, 4); memcpy(&u2, b->scales + 8, 4);
-        const uint32_t sc_lo = u0 & 0x3f3f3f3fu, m_lo = u1 & 0x3f3f3f3fu;
-        const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
-        const uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+        uint32_t w[4];
+        ktk_scale_min_k4_all(b->scales, w);
         const float d = _cvtsh_ss(b->d), dmin = _cvtsh_ss(b->dmin);
         const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin));
         const __m512 sv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                            _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi))), dd);
+                                            _mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]))), dd);
         for (int j = 0; j < 4; j++) {
             __m512 lo = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j), sv),
                                         _mm512_permutexvar_ps(_mm512_set1_epi32(8 + 2 * j), sv));

@@ -128,6 +128,16 @@ static inline uint16_t ktk_f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
+/* All 8 six-bit scales and mins of a Q4_K / Q5_K block at once, as the bytes of four words:
+ * w[0], w[1]: scales 0-3, 4-7; w[2], w[3]: mins 0-3, 4-7 (ktk_scale_min_k4's values). */
+static inline void ktk_scale_min_k4_all(const uint8_t *q, uint32_t w[4]) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, q, 4); memcpy(&u1, q + 4, 4); memcpy(&u2, q + 8, 4);
+    w[0] = u0 & 0x3f3f3f3fu;
+    w[1] = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+    w[2] = u1 & 0x3f3f3f3fu;
+    w[3] = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+}
 static inline void ktk_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
     else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
