@@ -1,6 +1,7 @@
-"""The AMX measurement tools in scripts/ (docs/benchmarks.md: `amx_parts`, `amx_parts layer`,
-`amx_peak`) build from the repository's sources as their headers say, including the build with
-moe.c's per-part TSC counters (-DKTK_LAYER_TRACE), and say plainly when there is no AMX to use."""
+"""The kernel measurement tools in scripts/ (docs/benchmarks.md, docs/native.md: `amx_parts`,
+`amx_parts layer`, `amx_peak`, `q8_parts`) build from the repository's sources as their headers
+say, including the build with moe.c's per-part TSC counters (-DKTK_LAYER_TRACE), and say plainly
+when there is no AMX to use; `q8_parts` runs on every usable AVX2 / AVX-512 table."""
 from __future__ import annotations
 
 import shutil
@@ -44,3 +45,19 @@ def test_amx_peak_builds(tmp_path: Path):
     build = subprocess.run(["gcc", "-O2", "-pthread", "-mamx-tile", "-mamx-bf16", str(SCRIPTS / "amx_peak.c"), "-o", str(exe)],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr[-2000:]
+
+
+def test_q8_parts_builds_and_runs(tmp_path: Path):
+    from ktinject import native
+    exe = tmp_path / "q8_parts"
+    build = subprocess.run(["gcc", "-O1", "-std=gnu11", "-pthread", f"-I{NATIVE}", str(SCRIPTS / "q8_parts.c"),
+                            *[str(NATIVE / s) for s in SOURCES], "-lm", "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    usable = native.usable_isas() if native.available() else []
+    for isa in ("avx2", "avx512"):
+        run = subprocess.run([str(exe), isa], capture_output=True, text=True, timeout=120)
+        if isa in usable:
+            assert run.returncode == 0 and f"{isa}: rows_u8" in run.stdout and "GMAC/s" in run.stdout, run.stderr
+        else:
+            assert run.returncode == 1 and "not usable on this CPU" in run.stderr
