@@ -1,6 +1,7 @@
 /* CPU feature detection (cpuid + xgetbv), AMX tile permission, ISA -> kernel table. */
 #include "ktk_int.h"
 #include <cpuid.h>
+#include <stdlib.h>
 #include <unistd.h>
 #include <sys/syscall.h>
 
@@ -70,4 +71,11 @@ const ktk_kernels *ktk_kernels_for(int isa) {
     case KTK_ISA_AVX512: case KTK_ISA_AMX: return &ktk_kernels_avx512;
     default: return &ktk_kernels_scalar;
     }
+}
+
+unsigned ktk_grouped_int8_types(int isa) {
+    const ktk_kernels *K = isa == KTK_ISA_AMX ? NULL : ktk_kernels_for(isa);
+    const char *s = getenv("KTINJECT_VNNI_GROUPED");
+    if (!K || !K->gemm_q8 || (s && s[0] == '0')) return 0;
+    return K->u8_types;
 }

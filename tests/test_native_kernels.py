@@ -352,3 +352,21 @@ def test_moe_nan_token_stays_nan(isa, qt, monkeypatch):
         keep = torch.ones(40, dtype=torch.bool)
         keep[3] = False
         assert torch.isfinite(out[keep]).all(), (isa, qt.name, tile_min, vnni)
+
+
+def test_describe_names_the_grouped_path(monkeypatch):
+    """`ktinject doctor` (describe) says how the grouped (prefill) experts multiply on each path:
+    the 8-bit types are exactly those VNNI_TYPES lists for the ISA, and
+    $KTINJECT_VNNI_GROUPED=0 turns them off."""
+    monkeypatch.delenv("KTINJECT_VNNI_GROUPED", raising=False)
+    assert native.grouped_path("scalar") == "f32" and native.grouped_path("amx") == "AMX-BF16 tiles"
+    for isa in ("avx2", "avx512"):
+        if isa not in ISAS:
+            continue
+        want = ", ".join(q.name for q in sorted(VNNI_TYPES[isa], key=int))
+        assert native.grouped_path(isa) == f"8-bit integers ({want}), f32 for other types"
+        monkeypatch.setenv("KTINJECT_VNNI_GROUPED", "0")
+        assert native.grouped_path(isa) == "f32"
+        monkeypatch.delenv("KTINJECT_VNNI_GROUPED")
+    monkeypatch.setenv("KTINJECT_ISA", "scalar")
+    assert native.describe()["grouped"] == "f32"

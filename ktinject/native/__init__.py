@@ -134,6 +134,8 @@ def describe() -> dict:
     out = {"available": True, "compiled": compiled, "usable": usable_isas(), "isa": running,
            "amx_permission": bool(lib.ktk_amx_permission()), "threads": cpu_count(),
            "forced_by": ENV_ISA if os.environ.get(ENV_ISA) else None}
+    if running is not None:     # how the grouped (prefill) path multiplies here (docs/native.md)
+        out["grouped"] = grouped_path(running)
     if running is not None:     # what repack: auto does on this path (docs/native.md, R16)
         from .moe import AUTO_TYPES, R16_TYPES, repack_mode
         mode = repack_mode(ISAS.index(running), None)
@@ -142,6 +144,18 @@ def describe() -> dict:
     if err:
         out["error"] = err
     return out
+
+
+def grouped_path(isa_name: str) -> str:
+    """How an ISA path's grouped (prefill) experts multiply: AMX-BF16 tiles, 8-bit integers for
+    the listed GGML types (f32 for the others), or f32 (docs/native.md, "8-bit grouped path")."""
+    from gguf import GGMLQuantizationType as QT
+    lib, _ = load()
+    if isa_name == "amx":
+        return "AMX-BF16 tiles"
+    mask = int(lib.ktk_grouped_int8_types(isa_index(isa_name)))
+    names = [QT(t).name for t in range(32) if mask >> t & 1]
+    return f"8-bit integers ({', '.join(names)}), f32 for other types" if names else "f32"
 
 
 ENV_CLAIM = "KTINJECT_POOL_CLAIM"
@@ -350,6 +364,6 @@ def probe_amx_gemm(pool: Pool) -> list[float]:
 from .moe import MoEKernel, ExpertMatrix, repack_r16, r16_dequant, r16_gemv, r16_row_bytes  # noqa: E402,F401  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
-           "dequant_row", "dequant_rows", "gemv", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
+           "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
            "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes",
            "usable_isas"]
