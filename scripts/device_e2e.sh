@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [chunkab] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [grouped] [chunkab] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -34,14 +34,15 @@ amx_parts() {   # build scripts/amx_parts.c to $1 (extra compiler flags after it
   gcc -O3 -std=gnu11 -pthread "$@" -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
     -o "$exe" 2>/dev/null || { echo "building $exe failed"; return 1; }
 }
-amx_layer() {   # label file [ENV=VALUE]: one batch-512 AMX layer bench (q4_k, bf16), a line per quant into $OUT/file
-  local label=$1 file=$2; shift 2
-  env "$@" timeout -s KILL 40 python3 -m ktinject bench experts --quant q4_k,bf16 --batch 512 --threads 16 \
-    --gib 2 --probe-gib 0.25 --seconds 1.5 --isa amx --json 2>/dev/null | python3 -c "import sys, json
+layer_line() {   # label file isa quants [ENV=VALUE]: one batch-512 layer bench, a line per quant into $OUT/file
+  local label=$1 file=$2 isa=$3 quants=$4; shift 4
+  env "$@" timeout -s KILL 90 python3 -m ktinject bench experts --quant $quants --batch 512 --threads 16 \
+    --gib ${LAYER_GIB:-2} --probe-gib 0.25 --seconds ${LAYER_SECONDS:-1.5} --isa $isa --json 2>/dev/null | python3 -c "import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
-    print('$label', {k: r[k] for k in ('quant', 'ms_per_layer', 'tflops')} if r else l.rstrip()[:200])" | tee -a "$OUT/$file"
+    print('$label', {k: r.get(k) for k in ('quant', 'ms_per_layer', 'tflops', 'amx_probe_us')} if r else l.rstrip()[:200])" | tee -a "$OUT/$file"
 }
+amx_layer() { local label=$1 file=$2; shift 2; layer_line "$label" "$file" amx q4_k,bf16 "$@"; }
 [[ $steps == *" v2lite "* ]] && bench v2lite deepseek-v2-lite deepseek-v2 --prompt-lengths 512,2048 --decode-tokens 64
 [[ $steps == *" prefill "* ]] && bench v2lite deepseek-v2-lite deepseek-v2-gpu-prefill --prompt-lengths 512,2048,8192 --decode-tokens 16
 [[ $steps == *" qwen3 "* ]] && bench qwen3 qwen3-30b-a3b qwen3-moe --prompt-lengths 512,2048 --decode-tokens 32
@@ -219,6 +220,16 @@ if [[ $steps == *" amxmode "* ]]; then   # the host's tile-unit speed over time 
   for c in 0 5 11; do echo "cpu $c: $(AP_QUICK=1 taskset -c $c /tmp/amx_parts data 2048)"; done | tee -a "$OUT/amx_mode.txt"
   taskset -c 5 timeout 30 /tmp/amx_parts duty | tee -a "$OUT/amx_mode.txt"
   taskset -c 3 timeout 30 /tmp/amx_parts gap | tee -a "$OUT/amx_mode.txt"
+fi
+if [[ $steps == *" grouped "* ]]; then   # the 8-bit grouped (prefill) path on AVX-512 against f32 panels, alternating,
+  # then decode (batch 1) at 16 and 15 threads against the probe
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for g in 1 0; do layer_line "vnni $g" grouped.txt avx512 ${GROUPED_QUANTS:-q4_k,q8_0,q6_k} KTINJECT_VNNI_GROUPED=$g; done
+  done
+  timeout -s KILL 120 python3 -m ktinject bench experts --quant q4_k,q8_0,bf16 --batch 1 --threads 16,15 --gib 3 \
+    --probe-gib 3 --seconds 2 --json 2>/dev/null | tee -a "$OUT/decode.jsonl" | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l); print({k: r.get(k) for k in ('quant', 'threads', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction')})"
 fi
 if [[ $steps == *" chunkab "* ]]; then   # prefill by chunk size (CPU experts on AMX convert every weight once per
   # chunk, so larger chunks amortize it), V2-Lite hybrid, alternating; CHUNKS: the sizes
