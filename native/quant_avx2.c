@@ -193,52 +193,62 @@ static uint64_t stream_avx2(const uint8_t *p, size_t n) {
     return (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 3);
 }
 
-/* The grouped path in 8-bit integers (ktk_kernels.gemm_q8), for 4- and 5-bit weights in groups of
- * 32 (u8_types: bytes <= 31, so maddubs's i16 pair sums, <= 2 * 31 * 127, cannot saturate; Q8_0's and IQ4_XS's offset
- * bytes could, and Q6_K's 6 bits in groups of 16 would need a widening every 2 steps: they stay on
- * f32 panels). 4 rows x one 16-token panel (two halves of 8). The i16 pair sums
- * of `steps` 4-value steps are added in i16 before one widening madd: 8 steps (a whole 32-block)
- * for 4-bit bytes (<= 8 * 2 * 15 * 127 = 30480), 4 for 5-bit ones (4 * 2 * 31 * 127 = 31496); each
- * such group's sums are scaled into C in memory. */
+/* The grouped path in 8-bit integers (ktk_kernels.gemm_q8), for 4-, 5- and 6-bit weights
+ * (u8_types: Q4_0, Q5_0, Q4_K, Q5_K in groups of 32, Q6_K in groups of 16; bytes <= 63, so
+ * maddubs's i16 pair sums, <= 2 * 63 * 127, cannot saturate. Q8_0's and IQ4_XS's offset bytes, up
+ * to 255, could: they stay on f32 panels). 4 rows x one 16-token panel (two halves of 8). The i16
+ * pair sums of `steps` 4-value steps are added in i16 before one widening madd: 8 steps for 4-bit
+ * bytes (<= 8 * 2 * 15 * 127 = 30480), 4 for 5-bit ones (4 * 2 * 31 * 127 = 31496), 2 for 6-bit
+ * ones (2 * 2 * 63 * 127 = 32004); the widened sums of a group (32 values, or 16 for g16) are
+ * added in i32, then scaled into C in memory once per group. */
 static inline __attribute__((always_inline)) void gemm_q8_4x16(const uint8_t *u, const float *S, const float *Mn,
                                                                int64_t K, const int8_t *P, const float *PS, float *c,
-                                                               int64_t ldc, const int steps) {
-    const int64_t nb = K / 32;
+                                                               int64_t ldc, const int steps, const int g16) {
+    const int64_t nb = K / 32, ng = g16 ? 2 * nb : nb;
+    const int gsteps = g16 ? 4 : 8;   /* 4-value steps per group */
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < 4; r++) {
         _mm256_storeu_ps(c + r * ldc, _mm256_setzero_ps());
         _mm256_storeu_ps(c + r * ldc + 8, _mm256_setzero_ps());
     }
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t j = 0; j < ng; j++) {
+        const int64_t b = g16 ? j / 2 : j, kb = b * 8 + (g16 ? (j % 2) * 4 : 0);
         const float *pb = PS + b * 64;
-        for (int k0 = 0; k0 < 8; k0 += steps) {
+        __m256i s32[4][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) s32[r][0] = s32[r][1] = _mm256_setzero_si256();
+        for (int k0 = 0; k0 < gsteps; k0 += steps) {
             __m256i a[4][2];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int k = k0; k < k0 + steps; k++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(P + (b * 8 + k) * 64));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(P + (b * 8 + k) * 64 + 32));
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(P + (kb + k) * 64));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(P + (kb + k) * 64 + 32));
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++) {
                     int32_t w4;
-                    memcpy(&w4, u + r * K + b * 32 + k * 4, 4);
+                    memcpy(&w4, u + r * K + (kb + k) * 4, 4);
                     const __m256i w = _mm256_set1_epi32(w4);
                     a[r][0] = _mm256_add_epi16(a[r][0], _mm256_maddubs_epi16(w, x0));
                     a[r][1] = _mm256_add_epi16(a[r][1], _mm256_maddubs_epi16(w, x1));
                 }
             }
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_loadu_ps(pb + 8 * h), ds = _mm256_loadu_ps(pb + 16 + 8 * h);
 #pragma GCC unroll 4
-                for (int r = 0; r < 4; r++) {
-                    float *o = c + r * ldc + 8 * h;
-                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(a[r][h], ones));
-                    __m256 acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(_mm256_set1_ps(S[r * nb + b]), d), _mm256_loadu_ps(o));
-                    if (k0 == 0) acc = _mm256_fmadd_ps(_mm256_set1_ps(Mn[r * nb + b]), ds, acc);   /* once per block */
-                    _mm256_storeu_ps(o, acc);
-                }
+            for (int r = 0; r < 4; r++) {
+                s32[r][0] = _mm256_add_epi32(s32[r][0], _mm256_madd_epi16(a[r][0], ones));
+                s32[r][1] = _mm256_add_epi32(s32[r][1], _mm256_madd_epi16(a[r][1], ones));
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {   /* d; d * sum(q) over the block, or over this half of it (g16) */
+            const __m256 d = _mm256_loadu_ps(pb + 8 * h), ds = _mm256_loadu_ps(pb + (g16 ? 32 + 16 * (j % 2) : 16) + 8 * h);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                float *o = c + r * ldc + 8 * h;
+                __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r][h]), _mm256_mul_ps(_mm256_set1_ps(S[r * ng + j]), d),
+                                             _mm256_loadu_ps(o));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(Mn[r * ng + j]), ds, acc));
             }
         }
     }
@@ -246,8 +256,8 @@ static inline __attribute__((always_inline)) void gemm_q8_4x16(const uint8_t *u,
 
 static void gemm_q8_avx2(const uint8_t *U, const float *S, const float *Mn, int64_t R, int64_t K, const int8_t *pk,
                          const float *ps, int64_t nt, float *C, int64_t ldc, int flags) {
-    const int64_t ng = (nt + 15) / 16, nb = K / 32;
-    if (flags & (KTK_Q8_G16 | KTK_Q8_U8)) {   /* not in this table's u8_types: never called so; loud if it were */
+    const int64_t ng = (nt + 15) / 16, nb = K / 32, ngr = flags & KTK_Q8_G16 ? K / 16 : nb;
+    if (flags & KTK_Q8_U8) {   /* not in this table's u8_types: never called so; loud if it were */
         for (int64_t r = 0; r < R; r++)
             for (int64_t t = 0; t < ng * 16; t++) C[r * ldc + t] = __builtin_nanf("");
         return;
@@ -255,9 +265,11 @@ static void gemm_q8_avx2(const uint8_t *U, const float *S, const float *Mn, int6
     for (int64_t g = 0; g < ng; g++)
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             const int8_t *P = pk + g * K * 16;
-            const float *PS = ps + g * nb * 64;
-            if (flags & KTK_Q8_U4) gemm_q8_4x16(U + r0 * K, S + r0 * nb, Mn + r0 * nb, K, P, PS, C + r0 * ldc + g * 16, ldc, 8);
-            else gemm_q8_4x16(U + r0 * K, S + r0 * nb, Mn + r0 * nb, K, P, PS, C + r0 * ldc + g * 16, ldc, 4);
+            const float *PS = ps + g * nb * 64, *s = S + r0 * ngr, *mn = Mn + r0 * ngr;
+            float *c = C + r0 * ldc + g * 16;
+            if (flags & KTK_Q8_G16) gemm_q8_4x16(U + r0 * K, s, mn, K, P, PS, c, ldc, 2, 1);
+            else if (flags & KTK_Q8_U4) gemm_q8_4x16(U + r0 * K, s, mn, K, P, PS, c, ldc, 8, 0);
+            else gemm_q8_4x16(U + r0 * K, s, mn, K, P, PS, c, ldc, 4, 0);
         }
 }
 
@@ -279,7 +291,7 @@ const ktk_kernels ktk_kernels_avx2 = {
     .pack_q8 = pack_q8_avx2,
     .rows_u8 = rows_u8_avx2,
     .gemm_q8 = gemm_q8_avx2,
-    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K,
+    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K | 1u << KTK_Q6_K,
     .dequant = dequant_avx2,
     .to_bf16 = to_bf16_avx2,
     .stream = stream_avx2,

@@ -101,7 +101,7 @@ def _routing(T, E, k, seed=0):
 
 # the types each ISA's grouped path multiplies in 8-bit integers (the kernel tables' u8_types)
 VNNI_TYPES = {"avx512": (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS),
-              "avx2": (QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K)}
+              "avx2": (QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)}
 
 
 def _moe_tol(isa: str, qt: QT, grouped: bool) -> float:
