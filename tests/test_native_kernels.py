@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -176,6 +177,44 @@ def test_moe_vnni_grouped_path(isa, qt, monkeypatch):
             e = {k: rel_err(v, ref) for k, v in runs.items()}
             assert e["f32"] < 1e-4 and e["vnni"] < 4e-2, (isa, qt.name, down_qt.name, T, e)
             assert e["vnni"] < 1.5 * e["dots"] + 2e-3, (isa, qt.name, down_qt.name, T, e)
+
+
+# the quantized-value bytes of a block (start, end) and the byte that gives every value its largest
+# unsigned form on the 8-bit path (Q8_0: q = 127, U = 255; IQ4_XS: grid index 15, U = 241)
+MAX_U_BYTES = {QT.Q4_0: (2, 18, 0xFF), QT.Q5_0: (2, 22, 0xFF), QT.Q8_0: (2, 34, 0x7F), QT.Q4_K: (16, 144, 0xFF),
+               QT.Q5_K: (16, 176, 0xFF), QT.Q6_K: (0, 192, 0xFF), QT.IQ4_XS: (8, 136, 0xFF)}
+
+
+@pytest.mark.parametrize("isa,qt", [(i, q) for i in ("avx2", "avx512") if i in ISAS for q in VNNI_TYPES[i]],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_moe_vnni_grouped_path_at_its_integer_bounds(isa, qt, monkeypatch):
+    """The 8-bit grouped path where its integer sums are largest: every weight byte at its type's
+    largest value and every token constant (+1 or -1, so each activation quantizes to exactly
+    +-127). AVX2 adds maddubs's i16 pair sums over 8 / 4 / 2 steps (4-, 5-, 6-bit) before widening;
+    one step too many would wrap past 32767 here. Against the f32 grouped path, which sees the same
+    exact activations (the down projection is BF16, on f32 panels in both runs)."""
+    E, H, I = 8, 256, 512
+    lo, hi, byte = MAX_U_BYTES[qt]
+    bsz = gguf.GGML_QUANT_SIZES[qt][1]
+    rows = []
+    for seed in (1, 2):
+        r = rand_rows(qt, E * I, H, seed).clone()
+        r.view(-1, bsz)[:, lo:hi] = byte
+        rows.append(r)
+    d = rand_rows(QT.BF16, E * H, I, 3)
+    mats = (native.ExpertMatrix(int(qt), rows[0], E, I, H, "gate"), native.ExpertMatrix(int(qt), rows[1], E, I, H, "up"),
+            native.ExpertMatrix(int(QT.BF16), d, E, H, I, "down"))
+    T = 13
+    x = torch.ones(T, H)
+    x[1::2] = -1
+    ids, w = _routing(T, E, 2, seed=5)
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "1")
+    runs = {}
+    for vnni in ("1", "0"):
+        monkeypatch.setenv("KTINJECT_VNNI_GROUPED", vnni)
+        runs[vnni] = native.MoEKernel(*mats, threads=2, isa=isa)(x, ids, w)
+    assert torch.isfinite(runs["0"]).all()
+    assert rel_err(runs["1"], runs["0"]) < 1e-4, (isa, qt.name, rel_err(runs["1"], runs["0"]))
 
 
 @pytest.mark.parametrize("isa", ISAS)
