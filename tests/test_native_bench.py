@@ -41,7 +41,7 @@ def test_bench_table_and_errors(capsys):
 
 def test_bench_model_json_on_the_cpu(capsys, tmp_path):
     """`ktinject bench MODEL`: prefill per prompt length, the median of the decode runs with each
-    run, and the roofline from the bytes per token and the measured bandwidth."""
+    run, and the roofline from the bytes per token and the measured bandwidth; as JSON and as a table."""
     from statistics import median
 
     from ktinject.testing import save_tiny
@@ -66,6 +66,12 @@ def test_bench_model_json_on_the_cpu(capsys, tmp_path):
     assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--repeat", "0"]) == 2
     assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--chunk-size", "0"]) == 2
     assert "chunk size must be >= 1, got 0" in capsys.readouterr().err
+    # the table (no --json) names every measure
+    assert main(["bench", str(d), "--rules", "qwen3-moe-cpu", "--prompt-lengths", "16", "--decode-tokens", "2",
+                 "--repeat", "1", "--probe-gib", "0.03"]) == 0
+    out = capsys.readouterr().out
+    for measure in ("prefill 16 tokens", "decode", "CPU read bandwidth", "decode roofline", "fraction of roofline"):
+        assert measure in out, measure
 
 
 def test_amx_tile_probe(capsys):
@@ -88,3 +94,16 @@ def test_amx_tile_probe(capsys):
 def test_tile_probe_summary():
     from ktinject.cli.bench import _tile_probe
     assert _tile_probe([4.3, 12.0, 4.4], [13.0, 4.2, 4.5]) == {"before": 4.4, "after": 4.5, "min": 4.2, "max": 13.0}
+
+
+def test_experts_table_prints_the_tile_probe(capsys):
+    """`bench experts --isa amx` without --json: the table, then each row's tile probe in a line."""
+    from ktinject.cli.bench import _table
+    row = {"quant": "q4_k", "batch": 512, "threads": 16, "isa": "amx", "ms_per_layer": 17.1, "tokens_per_s": 29941.0,
+           "gbps": 18.2, "bandwidth_gbps": 109.0, "fraction": 0.17, "tflops": 3.1,
+           "amx_probe_us": {"before": 12.5, "after": 12.7, "min": 4.2, "max": 14.8}}
+    no_probe = {k: v for k, v in row.items() if k != "amx_probe_us"}
+    _table([row, {**no_probe, "isa": "avx512"}])
+    out = capsys.readouterr().out
+    assert "q4_k batch 512, 16 threads: AMX tile probe" in out and "12.5 before, 12.7 after, range 4.2-14.8" in out
+    assert out.count("AMX tile probe") == 1

@@ -102,11 +102,6 @@ def bench_model(args) -> int:
     t.add_row("decode roofline", f"{res.roofline_tokens_per_s:.1f} tok/s")
     t.add_row("fraction of roofline", f"{res.fraction:.2f}")
     console.print(t)
-    for r in rows:
-        if "amx_probe_us" in r:
-            p = r["amx_probe_us"]
-            console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: AMX tile probe (32x48x2048 GEMM a "
-                          f"worker, median us) {p['before']} before, {p['after']} after, range {p['min']}-{p['max']}")
     console.print(f"[dim]{'; '.join(res.notes)}[/]")
     return 0
 
@@ -230,6 +225,11 @@ def _table(rows) -> None:
                   f"{r['tokens_per_s']:.0f}", f"{r['gbps']:.1f}", f"{r['bandwidth_gbps']:.1f}",
                   f"{r['fraction']:.2f}", f"{r['tflops']:.2f}")
     console.print(t)
+    for r in rows:
+        if "amx_probe_us" in r:
+            p = r["amx_probe_us"]
+            console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: AMX tile probe (32x48x2048 GEMM a "
+                          f"worker, median us) {p['before']} before, {p['after']} after, range {p['min']}-{p['max']}")
 
 
 TARGETS["experts"] = bench_experts
