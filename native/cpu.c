@@ -75,7 +75,7 @@ const ktk_kernels *ktk_kernels_for(int isa) {
 
 unsigned ktk_grouped_int8_types(int isa) {
     const ktk_kernels *K = isa == KTK_ISA_AMX ? NULL : ktk_kernels_for(isa);
-    const char *s = getenv("KTINJECT_VNNI_GROUPED");
-    if (!K || !K->gemm_q8 || (s && s[0] == '0')) return 0;
+    const char *s = getenv("KTINJECT_VNNI_GROUPED"), *pf = getenv("KTINJECT_PACKED_F32");   /* the 8-bit path needs packed tokens */
+    if (!K || !K->gemm_q8 || (s && s[0] == '0') || (pf && pf[0] == '0')) return 0;
     return K->u8_types;
 }

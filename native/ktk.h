@@ -41,7 +41,8 @@ int ktk_compiled_isas(void);             /* bit i set: ISA i compiled into this 
 int ktk_best_isa(void);
 int ktk_amx_permission(void);            /* 1 when Linux granted AMX tile state */
 /* bit t set: the grouped (prefill) path of ISA `isa` multiplies GGML type t in 8-bit integers
- * (0 for scalar, AMX, an unusable ISA, or with $KTINJECT_VNNI_GROUPED=0; moe.c reads the same) */
+ * (0 for scalar, AMX, an unusable ISA, or with $KTINJECT_VNNI_GROUPED=0 or $KTINJECT_PACKED_F32=0;
+ * moe.c reads the same) */
 unsigned ktk_grouped_int8_types(int isa);
 
 /* ---- thread pool ---- */

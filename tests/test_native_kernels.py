@@ -407,5 +407,8 @@ def test_describe_names_the_grouped_path(monkeypatch):
         monkeypatch.setenv("KTINJECT_VNNI_GROUPED", "0")
         assert native.grouped_path(isa) == "f32"
         monkeypatch.delenv("KTINJECT_VNNI_GROUPED")
+        monkeypatch.setenv("KTINJECT_PACKED_F32", "0")   # unpacked tokens: the 8-bit path is off too
+        assert native.grouped_path(isa) == "f32"
+        monkeypatch.delenv("KTINJECT_PACKED_F32")
     monkeypatch.setenv("KTINJECT_ISA", "scalar")
     assert native.describe()["grouped"] == "f32"
