@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Where the one-row int4 GEMV of the mid-size matrices (2-24 MB of int4) loses its time, on an H200-class GPU.
+
+    python3 scripts/int4_grid_probe.py [--shapes 21888x2048,10944x2048] [--top 6]
+
+Per shape, CUDA-graph replays over >= 256 MB of copies (L2 holds none), median:
+* `bf16`: F.linear on the dequantized weight (the denominator of the issue's targets);
+* `read`: the fastest plain read of the same number of bytes (a Triton sum over int32 words, one load
+  wave per program, block and warps swept): the floor any kernel reading these bytes has here, launch and
+  first-load latency included;
+* the tensor-core `diag` kernel over a grid of (warps, batch V, ring stages, persistent CTAs), each
+  config as it is and with its unpacking and mma removed (`nomath`: the loads and the loop only), with
+  the registers a thread takes (occupancy). The `top` fastest are printed, and the config TUNED holds.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line, read_bandwidth  # noqa: E402
+from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E402
+from ktinject.operators.kernels.int4_triton import tiled_config, tiled_groups  # noqa: E402
+
+
+def regs(shape, idx):
+    from torch.cuda._utils import _get_gpu_runtime_library
+    import ctypes
+    v = ctypes.c_int()
+    _get_gpu_runtime_library().cuFuncGetAttribute(ctypes.byref(v), 4, C._binary(shape, idx).func)  # NUM_REGS
+    return v.value
+
+
+def run_diag(x, w, out, warps, batch, ctas, stages, nomath):
+    n, kw = w.qweight.shape
+    idx = C.device_index(x.device)
+    steps = kw // 16
+    stages = C.diag_stages(stages, steps, batch)
+    shape = C.DiagShape(w.pack, steps, batch, warps, True, False, 1, nomath, stages)
+    blocks = -(-(-(-n // 8)) // warps)
+    if ctas:
+        blocks = min(blocks, ctas * torch.cuda.get_device_properties(idx).multi_processor_count)
+    C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw, warps, stages, batch),
+              [x, w.qweight, w.scales, w.mins, w.scales, out, n, x.shape[1], kw, tiled_groups(w)[1],
+               int(w.scales.shape[0]), 1, x.stride(0), out.stride(0)])
+    return shape
+
+
+def read_floor(nbytes: int, reps: int) -> tuple[float, str]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _sum(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(w_ptr + offs, mask=offs < n, other=0, eviction_policy="evict_first")
+        tl.store(out_ptr + tl.program_id(0), tl.sum(v, axis=0))
+
+    n = nbytes // 4
+    bufs = [torch.ones(n, dtype=torch.int32, device="cuda") for _ in range(max(1, -(-L2_BYTES // nbytes)))]
+    best = (float("inf"), "")
+    for block, warps in itertools.product((512, 1024, 2048, 4096, 8192), (2, 4, 8)):
+        if block < warps * 32 * 4:
+            continue
+        grid = -(-n // block)
+        out = torch.empty(grid, dtype=torch.int32, device="cuda")
+        t = graph_time([lambda b=b: _sum[(grid,)](b, out, n, BLOCK=block, num_warps=warps) for b in bufs], reps)
+        best = min(best, (t, f"block {block * 4 // 1024} KB, {warps} warps, {grid} programs"))
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="21888x2048,10944x2048,7168x2048,4096x2048,2048x2048")
+    ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=15)
+    a = ap.parse_args(argv)
+    print(hardware_line(), flush=True)
+    roof = read_bandwidth()
+    print(f"HBM read roofline {roof / 1e9:.0f} GB/s", flush=True)
+    dev = torch.device("cuda")
+    idx = C.device_index(dev)
+    for spec in a.shapes.split(","):
+        n, k = map(int, spec.split("x"))
+        torch.manual_seed(0)
+        iw = P.quantize(torch.randn(n, k, device=dev) * 0.02, 128)
+        w0 = P.tile(iw, 16)
+        wbytes = w0.qweight.numel() * 4 + 2 * w0.scales.numel() * 2
+        copies = [w0] + [P.tile(iw, 16) for _ in range(max(1, -(-L2_BYTES // wbytes)) - 1)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        ref = x.float() @ P.dequantize(iw).T
+        wb = P.dequantize(iw, torch.bfloat16)
+        bcopies = [wb] + [wb.clone() for _ in range(max(1, -(-L2_BYTES // (wb.numel() * 2))) - 1)]
+        t_bf16 = graph_time([lambda w=w: F.linear(x, w) for w in bcopies], a.reps)
+        del bcopies, wb
+        t_read, how = read_floor(wbytes, a.reps)
+        print(f"{spec}: {wbytes / 1e6:.1f} MB int4; bf16 {t_bf16 * 1e6:.2f} us (x2: {t_bf16 * 5e5:.2f}, "
+              f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how}, "
+              f"{wbytes / t_read / roof:.2f} of the roofline)", flush=True)
+        tuned = tiled_config(1, n, k, 128)
+        rows = []
+        grid = list(itertools.product((2, 4, 8, 10), (2, 4, 8), (0, 2, 4), (0, 2)))
+        for warps, batch, stages, ctas in grid:
+            nb = (k // 128) // batch
+            if stages and C.diag_stages(stages, k // 128, batch) != stages:
+                continue
+            if batch == 8 and stages == 4 or (ctas and warps < 8):
+                continue
+            res = []
+            try:
+                for nomath in (False, True):
+                    shape = run_diag(x, w0, out, warps, batch, ctas, stages, nomath)
+                    torch.cuda.synchronize()
+                    if not nomath:
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        if not err < 1e-2:
+                            raise RuntimeError(f"wrong (rel err {err:.2g})")
+                    res.append(graph_time([lambda w=w, nm=nomath: run_diag(x, w, out, warps, batch, ctas, stages, nm)
+                                           for w in copies], a.reps))
+                rows.append((res[0], res[1], warps, batch, stages, ctas, regs(shape, idx), nb))
+            except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
+                print(f"  w{warps} V{batch} ring{stages} ct{ctas}: {type(exc).__name__}: {str(exc)[:80]}")
+        rows.sort()
+        is_tuned = lambda r: (tuned.mode == "diag" and (r[2], r[3], r[5]) == (tuned.num_warps, tuned.chunk, tuned.ctas)  # noqa: E731
+                              and r[4] == (tuned.num_stages if tuned.num_stages > 1 else 0))
+        for r in rows[:a.top] + [r for r in rows[a.top:] if is_tuned(r)]:
+            t, tn, warps, batch, stages, ctas, nreg, nb = r
+            print(f"  diag w{warps:<2} V{batch} ring{stages} ct{ctas} ({nreg} regs, {nb} batches a tile): "
+                  f"{t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {wbytes / t / roof:.2f} HBM), nomath "
+                  f"{tn * 1e6:6.2f} us{'  <- TUNED' if is_tuned(r) else ''}", flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
