@@ -8,9 +8,7 @@ Per shape, CUDA-graph replays over >= 256 MB of copies (L2 holds none), median:
 * `read`: the fastest plain read of the same number of bytes (a Triton sum over int32 words, one load
   wave per program, block and warps swept): the floor any kernel reading these bytes has here, launch and
   first-load latency included;
-* `linear_int4`'s path today (`int4_gemv_tiled`) and torch's tinygemm;
-* the one-row `wave` kernel over a grid of (rows a warp, warps a block, quads U a lane per K chunk);
-* with --diag, the tensor-core `diag` kernel over a grid of (warps, batch V, ring stages, persistent CTAs), each
+* the tensor-core `diag` kernel over a grid of (warps, batch V, ring stages, persistent CTAs), each
   config as it is and with its unpacking and mma removed (`nomath`: the loads and the loop only), with
   the registers a thread takes (occupancy). The `top` fastest are printed, and the config TUNED holds.
 """
@@ -25,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line, read_bandwidth, torch_int4  # noqa: E402
+from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line, read_bandwidth  # noqa: E402
 from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E402
-from ktinject.operators.kernels.int4_triton import int4_gemv_tiled, tiled_config, tiled_groups  # noqa: E402
+from ktinject.operators.kernels.int4_triton import tiled_config, tiled_groups  # noqa: E402
 
 
 def regs(shape, idx):
@@ -78,10 +76,9 @@ def read_floor(nbytes: int, reps: int) -> tuple[float, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="2048x2048,3072x2048,4096x2048,7168x2048,4096x4096,10944x2048,21888x2048")
+    ap.add_argument("--shapes", default="21888x2048,10944x2048,7168x2048,4096x2048,2048x2048")
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--diag", action="store_true", help="also sweep the diag kernel (with its nomath floor)")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     roof = read_bandwidth()
@@ -107,41 +104,6 @@ def main(argv=None) -> int:
               f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how}, "
               f"{wbytes / t_read / roof:.2f} of the roofline)", flush=True)
         tuned = tiled_config(1, n, k, 128)
-        others = []
-        try:
-            others.append((graph_time([lambda w=w: int4_gemv_tiled(x, w) for w in copies], a.reps),
-                           f"today ({tuned.mode} w{tuned.num_warps})"))
-            tg, _ = torch_int4(iw, 128)
-            if tg is not None:
-                tgs = [torch_int4(iw, 128)[0] for _ in copies]
-                others.append((graph_time([lambda f=f: f(x) for f in tgs], a.reps), "tinygemm"))
-                del tgs
-        except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
-            print(f"  reference paths: {type(exc).__name__}: {str(exc)[:80]}")
-        waves = []
-        nq = w0.qweight.shape[1] // 4
-        for rpw, warps, quads in itertools.product((1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8)):
-            if quads > 1 and 32 * (quads // 2) >= nq:
-                continue                                              # (U/2 already covers a row in one chunk)
-            kw = dict(rows_per_warp=rpw, warps=warps, quads=quads)
-            try:
-                y = C.gemv_wave(x, w0, **kw)
-                torch.cuda.synchronize()
-                err = ((y.float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:
-                    raise RuntimeError(f"wrong (rel err {err:.2g})")
-                t = graph_time([lambda w=w, kw=kw: C.gemv_wave(x, w, **kw) for w in copies], a.reps)
-                waves.append((t, f"wave r{rpw} w{warps} U{quads}"))
-            except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
-                print(f"  wave r{rpw} w{warps} U{quads}: {type(exc).__name__}: {str(exc)[:100]}")
-        waves.sort()
-        for t, name in sorted(others) + waves[:a.top]:
-            print(f"  {name:<24} {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {wbytes / t / roof:.2f} HBM, "
-                  f"{t / t_read:.2f}x the plain read)", flush=True)
-        if not a.diag:
-            del copies
-            torch.cuda.empty_cache()
-            continue
         rows = []
         grid = list(itertools.product((2, 4, 8, 10), (2, 4, 8), (0, 2, 4), (0, 2)))
         for warps, batch, stages, ctas in grid:

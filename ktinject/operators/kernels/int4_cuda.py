@@ -104,7 +104,9 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {      // read once: 
 
 """
 
-_NIB = r"""
+_SOURCE = _PRELUDE + r"""
+#define SUB (8 / NSUB)
+
 // nibble i of w as 1 + q/C (C = 256 for even i, 16 for odd): the nibble pair (2a, 2a+1) is shifted to
 // bits 15..22 and each nibble is or-ed under the exponent of 1.0 (one lop3)
 __device__ __forceinline__ float nib(u32 w, int i) {
@@ -112,11 +114,6 @@ __device__ __forceinline__ float nib(u32 w, int i) {
     v = (i & 1) ? ((v & 0x780000u) | 0x3F800000u) : ((v & 0x78000u) | 0x3F800000u);
     return __int_as_float(v);
 }
-"""
-
-_SOURCE = _PRELUDE + _NIB + r"""
-#define SUB (8 / NSUB)
-
 
 extern "C" __global__ void __launch_bounds__(NT)
 ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
@@ -225,114 +222,6 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
         }
     }
     pdl_done();
-}
-"""
-
-# mode "wave": one row of x, every load of a K chunk issued in one wave, no shared memory, no barrier
-_WAVE_SOURCE = _PRELUDE + _NIB + r"""
-#define SUB (8 / NSUB)
-
-// 4 consecutive x values from k (zeros past K) as floats
-__device__ __forceinline__ void x4(const u16* __restrict__ x, int k, int K, float* v) {
-    if (k + 3 < K) {
-        const uint2 p = __ldg((const uint2*)(x + k));
-        v[0] = to_f32((u16)(p.x & 0xFFFFu)); v[1] = to_f32((u16)(p.x >> 16));
-        v[2] = to_f32((u16)(p.y & 0xFFFFu)); v[3] = to_f32((u16)(p.y >> 16));
-    } else {
-#pragma unroll
-        for (int u = 0; u < 4; u++) v[u] = k + u < K ? to_f32(__ldg(x + k + u)) : 0.f;
-    }
-}
-
-// One warp owns R consecutive rows. Per K chunk, lane l takes quads c0 + 32u + l (u < U) of each row: the
-// R x U weight loads (16 bytes each, 512 contiguous bytes per warp and row), the 8 four-value slices of x
-// each quad multiplies (8-byte loads, L1 hits after the first warp of an SM) and the scales and mins go out
-// together, before any of them is used, so a chunk costs one memory round trip. Math as ktk_int4_gemv
-// (nib: 1 + q/C against C x), the C x and sums of x computed in registers; then a warp sum per row.
-extern "C" __global__ void __launch_bounds__(NT)
-ktk_int4_wave(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
-              const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
-              int N, int K, int KW, int g_shift, int NG)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * WARPS + warp) * R;
-    const int NQ = KW / 4;
-    size_t rbase[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) rbase[r] = (size_t)min(row0 + r, N - 1) * NQ;   // clamped: stores are masked
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.f;
-    for (int c0 = 0; c0 < NQ; c0 += 32 * U) {
-        uint4 w[R][U];
-        float s[R][U][NSUB], m[R][U][NSUB];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int q = c0 + 32 * u + lane;
-#pragma unroll
-            for (int r = 0; r < R; r++) w[r][u] = q < NQ ? ld_stream(qw + rbase[r] + q) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int q = min(c0 + 32 * u + lane, NQ - 1), t = (4 * q) / P;
-#pragma unroll
-            for (int g = 0; g < NSUB; g++) {
-                const size_t go = (size_t)min((t * 8 * P + g * SUB * P) >> g_shift, NG - 1) * N;
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    const int row = min(row0 + r, N - 1);
-                    s[r][u][g] = h2f(__ldg(sc + go + row));
-                    m[r][u][g] = h2f(__ldg(mn + go + row));
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int q = c0 + 32 * u + lane;
-            if (q >= NQ) break;
-            const int t = (4 * q) / P, j0 = (4 * q) % P;
-            float xc[8][4];
-#pragma unroll
-            for (int i = 0; i < 8; i++) x4(x, t * 8 * P + i * P + j0, K, xc[i]);
-#pragma unroll
-            for (int g = 0; g < NSUB; g++) {
-                float e = 0.f, xs = 0.f;
-#pragma unroll
-                for (int ii = 0; ii < SUB; ii++) {
-                    const int i = g * SUB + ii;
-                    const float c = (i & 1) ? 16.f : 256.f;
-#pragma unroll
-                    for (int v = 0; v < 4; v++) { xs += xc[i][v]; e = fmaf(c, xc[i][v], e); }
-                }
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
-#pragma unroll
-                    for (int ii = 0; ii < SUB; ii++) {
-                        const int i = g * SUB + ii;
-                        const float c = (i & 1) ? 16.f : 256.f;
-                        t0 = fmaf(nib(w[r][u].x, i), c * xc[i][0], t0);
-                        t1 = fmaf(nib(w[r][u].y, i), c * xc[i][1], t1);
-                        t2 = fmaf(nib(w[r][u].z, i), c * xc[i][2], t2);
-                        t3 = fmaf(nib(w[r][u].w, i), c * xc[i][3], t3);
-                    }
-                    acc[r] = fmaf(s[r][u][g], ((t0 + t1) + (t2 + t3)) - e, fmaf(m[r][u][g], xs, acc[r]));
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        float v = acc[r];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == r && row0 + r < N) {
-#if HAS_BIAS
-            v += to_f32(bias[row0 + r]);
-#endif
-            out[row0 + r] = from_f32(v);
-        }
-    }
 }
 """
 
@@ -771,7 +660,7 @@ def _binary(shape, device_index: int):
     if api is None:
         raise RuntimeError("this torch has no torch.cuda._compile_kernel (NVRTC); the CUDA int4 GEMV needs torch >= 2.8")
     name = ("ktk_int4_diag" if isinstance(shape, DiagShape) else "ktk_int4_mma" if isinstance(shape, MmaShape)
-            else "ktk_int4_wave" if isinstance(shape, WaveShape) else "ktk_int4_gemv")
+            else "ktk_int4_gemv")
     with torch.cuda.device(device_index):
         return api(source(shape), name, nvcc_options=["--std=c++17"])
 
@@ -784,10 +673,6 @@ def source(shape) -> str:
                   "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath),
                   "CPA": shape.stages, "PDL": shape.pdl, "PF": shape.pf}
         body = _DIAG_SOURCE
-    elif isinstance(shape, WaveShape):
-        consts = {"P": shape.pack, "NSUB": shape.nsub, "R": shape.rows_per_warp, "WARPS": shape.warps,
-                  "U": shape.quads, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
-        body = _WAVE_SOURCE
     elif isinstance(shape, MmaShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
@@ -993,40 +878,6 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp:
     _launch(shape, idx, -(-n // (rows_per_warp * warps)), warps, shared_bytes(kw, nsub),
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
              n, k, kw, g_shift, int(w.scales.shape[0])])
-    return out
-
-
-@dataclass(frozen=True)
-class WaveShape:
-    """Compile-time constants of one `wave` binary."""
-    pack: int
-    nsub: int
-    rows_per_warp: int
-    warps: int
-    quads: int            # 16-byte loads per lane and row in one K chunk (U)
-    bf16: bool
-    bias: bool
-
-
-def gemv_wave(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp: int = 1, warps: int = 2,
-              quads: int = 2) -> torch.Tensor:
-    """y = x @ W.T (+ bias) for one row x: [1, K] bf16/fp16 and `w` an `int4_pack.Int4Tiled`; [1, N] in x.dtype.
-    Mode "wave": a warp owns `rows_per_warp` rows and issues all its loads of a K chunk (`quads` x 512 bytes a
-    row) at once, with no shared memory: the small matrices' kernel, where time is latency, not bandwidth."""
-    from .int4_triton import tiled_groups
-    n = w.qweight.shape[0]
-    if not (1 <= rows_per_warp <= 32 and warps >= 1 and 1 <= quads <= 16):
-        raise ValueError(f"rows_per_warp must be 1..32, warps >= 1 and quads 1..16, got {rows_per_warp}, {warps}, "
-                         f"{quads}")
-    if x.shape[0] != 1:
-        raise ValueError(f"the wave int4 GEMV takes one row, got {x.shape[0]}")
-    x, bias, idx = _checked(x, w, bias)
-    nsub, g_shift = tiled_groups(w)
-    shape = WaveShape(w.pack, nsub, rows_per_warp, warps, quads, x.dtype == torch.bfloat16, bias is not None)
-    out = torch.empty((1, n), device=x.device, dtype=x.dtype)
-    _launch(shape, idx, -(-n // (rows_per_warp * warps)), warps, 0,
-            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-             n, x.shape[1], int(w.qweight.shape[1]), g_shift, int(w.scales.shape[0])])
     return out
 
 
