@@ -34,7 +34,6 @@ runs its Triton kernels instead (`ktinject doctor` says which and why).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
@@ -64,36 +63,6 @@ __device__ __forceinline__ u16 from_f32(float f) {
     return h;
 }
 __device__ __forceinline__ float h2f(u16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
-
-// Programmatic dependent launch (sm_90+; PDL 0: off). A kernel launched with the programmatic-serialization
-// attribute may start while the kernel before it on the stream finishes. The weights (set at load) do not
-// depend on it: PF tiles or rows of them are prefetched into L2 first; then griddepcontrol.wait (the previous
-// kernel done, its writes visible) before x is read or out written. PDL 1: this grid lets its own
-// dependents launch right after that wait; PDL 2: at the end.
-#ifndef PDL
-#define PDL 0
-#endif
-#ifndef PF
-#define PF 0
-#endif
-__device__ __forceinline__ void l2_prefetch(const void* p, unsigned bytes) {   // bytes: a multiple of 16
-#if PDL
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if PDL
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#if PDL == 1
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-#endif
-}
-__device__ __forceinline__ void pdl_done() {
-#if PDL == 2
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {      // read once: keep it out of L1
     uint4 v;
@@ -127,13 +96,6 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     float* qe = smem + KW * 8;                   // [NQ * NSUB] sum of C x per quad and group part
     float* qs = qe + NQ * NSUB;                  // [NQ * NSUB] sum of x
     const int tid = threadIdx.x;
-#if PDL
-    if (PF && (tid & 31) == 0) {                 // this warp's R rows (contiguous), into L2
-        const int r0 = (blockIdx.x * WARPS + (tid >> 5)) * R;
-        if (r0 < N) l2_prefetch(qw + (size_t)r0 * NQ, (unsigned)(min(R, N - r0) * NQ * 16));
-    }
-    pdl_wait();
-#endif
     for (int q = tid; q < NQ; q += NT) {
         const int wi = q * 4, t = wi / P, j0 = wi % P;
         float se[NSUB], ss[NSUB];
@@ -221,7 +183,6 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
             out[row0 + r] = from_f32(v);
         }
     }
-    pdl_done();
 }
 """
 
@@ -458,13 +419,6 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
         for (int v = 0; v < V; v++) wcur[v] = nt < n_tiles ? ld_stream(wp + 4 * v) : make_uint4(0, 0, 0, 0);
     }
 #endif
-#if PDL
-    if (lane < PF) {                                 // this warp's first PF tiles (8 contiguous rows each), into L2
-        const int t = nt + lane * nt_step;
-        if (t < n_tiles) l2_prefetch(qw + (size_t)t * 8 * KQ, (unsigned)(min(8, N - t * 8) * KQ * 16));
-    }
-    pdl_wait();
-#endif
     for (int i = tid; i < 72; i += NT) zero[i] = 0u;
     for (int m = 0; m < M; m++) {
         const u16* xm = x + (size_t)m * stride_xm;
@@ -615,7 +569,6 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 #if CPA
     asm volatile("cp.async.wait_all;\n" ::);
 #endif
-    pdl_done();
 }
 """
 
@@ -633,8 +586,6 @@ class CudaGemvShape:
     step_batch: int
     bf16: bool
     bias: bool
-    pdl: int = 0          # programmatic dependent launch (sm_90+): 0 off, 1 trigger dependents early, 2 at the end
-    pf: int = 0           # with pdl: prefetch the warp's rows into L2 before waiting on the previous kernel
 
 
 _LOCK = threading.Lock()
@@ -671,7 +622,7 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath),
-                  "CPA": shape.stages, "PDL": shape.pdl, "PF": shape.pf}
+                  "CPA": shape.stages}
         body = _DIAG_SOURCE
     elif isinstance(shape, MmaShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
@@ -680,8 +631,7 @@ def source(shape) -> str:
         body = _MMA_SOURCE
     else:
         consts = {"P": shape.pack, "NSUB": shape.nsub, "R": shape.rows_per_warp, "WARPS": shape.warps,
-                  "S": shape.steps, "SB": shape.step_batch, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "PDL": shape.pdl, "PF": shape.pf}
+                  "S": shape.steps, "SB": shape.step_batch, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
         body = _SOURCE
     return "".join(f"#define {k} {v}\n" for k, v in consts.items()) + body
 
@@ -798,53 +748,13 @@ def smem_limit(idx: int) -> int:
 
 
 def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list) -> None:
-    """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph);
-    with the programmatic-serialization attribute where the shape was compiled for PDL."""
+    """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph)."""
     kern = _binary(shape, idx)
     with torch.cuda.device(idx):
         if smem >= 48 * 1024 and smem > getattr(kern, "_max_shared_mem_bytes", 0):
             kern.set_shared_memory_config(smem)   # once per binary and size (the warm-up's call, not a capture's)
-        stream = torch.cuda.current_stream(idx)
-        if getattr(shape, "pdl", 0):
-            _launch_pdl(kern, blocks, warps * 32, smem, stream, args)
-        else:
-            kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem, stream=stream)
-
-
-class _AttrValue(ctypes.Union):          # CUlaunchAttributeValue: a 64-byte union
-    _fields_ = [("pad", ctypes.c_char * 64), ("ptr", ctypes.c_void_p), ("i", ctypes.c_int)]
-
-
-class _Attr(ctypes.Structure):           # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
-
-
-class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-def _launch_pdl(kern, blocks: int, threads: int, smem: int, stream, args: list) -> None:
-    """cuLaunchKernelEx with programmatic stream serialization: the kernel may launch before the one ahead of
-    it on the stream has finished (it waits with griddepcontrol.wait before touching what that one wrote)."""
-    from torch.cuda._utils import _get_gpu_runtime_library
-    lib = _get_gpu_runtime_library()
-    keep, ptrs = [], []
-    for a in args:                       # as torch's _CudaKernel: tensors as pointers, ints as C ints
-        v = ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
-        keep.append(v)
-        ptrs.append(ctypes.cast(ctypes.byref(v), ctypes.c_void_p))
-    params = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value.i = 1
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(blocks, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1), smem,
-                        ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
-    err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, params, None)
-    if err != 0:
-        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed with CUDA error {err}")
+        kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem,
+             stream=torch.cuda.current_stream(idx))
 
 
 def cuda_fits(w, m: int, device_index: int) -> str | None:
@@ -858,7 +768,7 @@ def cuda_fits(w, m: int, device_index: int) -> str | None:
 
 
 def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp: int = 2, warps: int = 4,
-         step_batch: int = 2, pdl: int = 0, pf: int = 0) -> torch.Tensor:
+         step_batch: int = 2) -> torch.Tensor:
     """y = x @ W.T (+ bias) for one row x: [1, K] bf16/fp16 and `w` an `int4_pack.Int4Tiled`; [1, N] in x.dtype."""
     from .int4_triton import tiled_groups
     m = x.shape[0]
@@ -873,7 +783,7 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp:
     k = x.shape[1]
     steps = -(-kw // STEP_WORDS)
     shape = CudaGemvShape(w.pack, nsub, rows_per_warp, warps, steps, max(1, min(step_batch, steps)),
-                          x.dtype == torch.bfloat16, bias is not None, *_pdl_mode(pdl, pf, idx))
+                          x.dtype == torch.bfloat16, bias is not None)
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     _launch(shape, idx, -(-n // (rows_per_warp * warps)), warps, shared_bytes(kw, nsub),
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
@@ -882,16 +792,6 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, rows_per_warp:
 
 
 MMA_MAX_ROWS = 16
-
-
-def _pdl_mode(pdl: int, pf: int, idx: int) -> tuple[int, int]:
-    """(pdl, pf) as compiled for GPU `idx`: PDL needs compute capability 9.0 (griddepcontrol, the bulk L2
-    prefetch); on older GPUs the kernels launch plainly."""
-    if pdl not in (0, 1, 2) or not 0 <= pf <= 32:
-        raise ValueError(f"pdl must be 0, 1 or 2 and pf 0..32, got {pdl} and {pf}")
-    if not pdl or torch.cuda.get_device_capability(idx)[0] < 9:
-        return 0, 0
-    return pdl, pf
 
 
 @dataclass(frozen=True)
@@ -986,12 +886,10 @@ class DiagShape:
     mr: int               # rows of x rounded up to 1, 2, 4, 8 or 16
     nomath: bool = False  # (scripts/int4_diag_probe.py: loads and loop only, no unpacking or mma)
     stages: int = 0       # weights through a cp.async ring of this many stages in shared memory (0: registers)
-    pdl: int = 0          # programmatic dependent launch (sm_90+): 0 off, 1 trigger dependents early, 2 at the end
-    pf: int = 0           # with pdl: tiles of each warp prefetched into L2 before waiting on the previous kernel
 
 
 def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int = 4, batch: int = 2,
-              ctas_per_sm: int = 0, stages: int = 0, pdl: int = 0, pf: int = 0) -> torch.Tensor:
+              ctas_per_sm: int = 0, stages: int = 0) -> torch.Tensor:
     """As `gemv_mma`, with the scale corrections once per super-step of 16 / rows steps (ktk_int4_diag).
     `stages` >= 2: the weights go through a per-warp cp.async ring in shared memory of that depth (each copy
     512 contiguous bytes) instead of registers (each load 64 bytes of 8 rows)."""
@@ -1012,7 +910,7 @@ def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: in
     if why:
         raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
     shape = DiagShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None,
-                      1 << max(m - 1, 0).bit_length(), False, stages, *_pdl_mode(pdl, pf, idx))
+                      1 << max(m - 1, 0).bit_length(), False, stages)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     blocks = -(-(-(-n // 8)) // warps)
     if ctas_per_sm > 0:
