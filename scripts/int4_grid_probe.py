@@ -9,7 +9,7 @@ Per shape, CUDA-graph replays over >= 256 MB of copies (L2 holds none), median:
   wave per program, block and warps swept): the floor any kernel reading these bytes has here, launch and
   first-load latency included;
 * `linear_int4`'s path today (`int4_gemv_tiled`) and torch's tinygemm;
-* the tensor-core `diag` kernel over a grid of (warps, batch V, ring stages, persistent CTAs, K split), each
+* the tensor-core `diag` kernel over a grid of (warps, batch V, ring stages, persistent CTAs), each
   config as it is and with its unpacking and mma removed (`nomath`: the loads and the loop only), with
   the registers a thread takes (occupancy). The `top` fastest are printed, and the config TUNED holds.
 """
@@ -37,17 +37,17 @@ def regs(shape, idx):
     return v.value
 
 
-def run_diag(x, w, out, warps, batch, ctas, stages, nomath, ksplit=1):
+def run_diag(x, w, out, warps, batch, ctas, stages, nomath):
     n, kw = w.qweight.shape
     idx = C.device_index(x.device)
     steps = kw // 16
-    batch = min(batch, steps // ksplit)
+    batch = min(batch, steps)
     stages = C.diag_stages(stages, steps, batch)
-    shape = C.DiagShape(w.pack, steps, batch, warps, True, False, 1, nomath, stages, ksplit)
-    blocks = -(-(-(-n // 8)) // (warps // ksplit))
+    shape = C.DiagShape(w.pack, steps, batch, warps, True, False, 1, nomath, stages)
+    blocks = -(-(-(-n // 8)) // warps)
     if ctas:
         blocks = min(blocks, ctas * torch.cuda.get_device_properties(idx).multi_processor_count)
-    C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw, warps, stages, batch, ksplit),
+    C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw, warps, stages, batch),
               [x, w.qweight, w.scales, w.mins, w.scales, out, n, x.shape[1], kw, tiled_groups(w)[1],
                int(w.scales.shape[0]), 1, x.stride(0), out.stride(0)])
     return shape
@@ -120,37 +120,31 @@ def main(argv=None) -> int:
             print(f"  {name:<40} {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {wbytes / t / roof:.2f} HBM, "
                   f"{t / t_read:.2f}x the plain read)", flush=True)
         steps = k // 128
-        grid = [(w, v, st, ct, 1) for w, v, st, ct in ((4, 8, 0, 0), (8, 2, 0, 0), (8, 8, 2, 0), (8, 2, 4, 0),
-                                                        (10, 4, 0, 2), (11, 4, 0, 2), (8, 8, 0, 2))
-                if not (st and C.diag_stages(st, steps, v) != st)]       # (the best of a wider sweep, and TUNED's)
-        grid += [(w, v, 0, 0, ks) for ks in (2, 4, 8) if steps % ks == 0 for w in (ks, 2 * ks, 4 * ks) if w <= 16
-                 for v in sorted({steps // ks, max(1, steps // ks // 2)})]
+        grid = [(w, v, st, ct) for w, v, st, ct in itertools.product((2, 4, 8, 10, 11), (2, 4, 8), (0, 2, 4), (0, 2))
+                if not (ct and w < 8) and not (st and C.diag_stages(st, steps, v) != st)]
         rows = []
-        for warps, batch, stages, ctas, ks in grid:
+        for warps, batch, stages, ctas in grid:
             res = []
             try:
                 for nomath in (False, True):
-                    shape = run_diag(x, w0, out, warps, batch, ctas, stages, nomath, ks)
+                    shape = run_diag(x, w0, out, warps, batch, ctas, stages, nomath)
                     torch.cuda.synchronize()
                     if not nomath:
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         worst = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                         if not (err < 1e-2 and worst < 3e-2):
                             raise RuntimeError(f"wrong (rel err {err:.2g}, worst {worst:.2g})")
-                    res.append(graph_time([lambda w=w, nm=nomath: run_diag(x, w, out, warps, batch, ctas, stages, nm, ks)
+                    res.append(graph_time([lambda w=w, nm=nomath: run_diag(x, w, out, warps, batch, ctas, stages, nm)
                                            for w in copies], a.reps))
-                rows.append((res[0], res[1], warps, shape.batch, stages, ctas, ks, regs(shape, idx)))
+                rows.append((res[0], res[1], warps, shape.batch, stages, ctas, regs(shape, idx)))
             except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
-                print(f"  w{warps} V{batch} ring{stages} ct{ctas} ks{ks}: {type(exc).__name__}: {str(exc)[:100]}")
+                print(f"  w{warps} V{batch} ring{stages} ct{ctas}: {type(exc).__name__}: {str(exc)[:100]}")
         rows.sort()
-        is_tuned = lambda r: (tuned.mode == "diag" and (r[2], r[3], r[5], r[6]) ==  # noqa: E731
-                              (tuned.num_warps, tuned.chunk, tuned.ctas, 1)
+        is_tuned = lambda r: (tuned.mode == "diag" and (r[2], r[3], r[5]) == (tuned.num_warps, tuned.chunk, tuned.ctas)  # noqa: E731
                               and r[4] == (tuned.num_stages if tuned.num_stages > 1 else 0))
-        best_ks1 = next((r for r in rows if r[6] == 1), None)
-        shown = rows[:a.top] + [r for r in rows[a.top:] if is_tuned(r) or r is best_ks1]
-        for r in shown:
-            t, tn, warps, batch, stages, ctas, ks, nreg = r
-            print(f"  diag w{warps:<2} V{batch} ring{stages} ct{ctas} ks{ks} ({nreg} regs): "
+        for r in rows[:a.top] + [r for r in rows[a.top:] if is_tuned(r)]:
+            t, tn, warps, batch, stages, ctas, nreg = r
+            print(f"  diag w{warps:<2} V{batch} ring{stages} ct{ctas} ({nreg} regs): "
                   f"{t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {wbytes / t / roof:.2f} HBM, {t / t_read:.2f}x read), "
                   f"nomath {tn * 1e6:6.2f} us{'  <- TUNED' if is_tuned(r) else ''}", flush=True)
         del copies

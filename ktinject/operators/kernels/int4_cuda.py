@@ -361,18 +361,6 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
 
 _DIAG_SOURCE = _TC_PRELUDE + r"""
 #define GS (16 / MR)                                 // steps per super-step: A row r = m * GS + j
-// K split (KS > 1): the KS consecutive warps of a block share one 8-row tile, warp w taking the steps
-// (w % KS) * SPW .. + SPW - 1 of its rows (a partial super-step where SPW < GS); their sums meet in shared
-// memory, are added in a fixed order, and the first warp of the tile writes them. One tile per warp (no
-// persistent grid, no cp.async ring): for the small matrices, whose 8-row tiles are too few to keep the GPU's
-// memory busy when one warp walks a whole row.
-#define SPW (NSTEP / KS)
-#undef NB
-#define NB (SPW / V)
-#define TPB (WARPS / KS)                             // tiles a block works on
-#if KS > 1 && CPA
-#error "the K split takes no cp.async ring"
-#endif
 
 #if CPA
 #define RP (4 * V + ((V & 1) ? 0 : 4))               // ring row pitch in 16-byte quads (== 4 mod 8: no bank conflicts)
@@ -416,13 +404,8 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int KQ = KW / 4;
     const int n_tiles = (N + 7) / 8;
-    const int s_lo = (warp % KS) * SPW;              // this warp's first step of a row
-    int nt = blockIdx.x * TPB + warp / KS;
-    const int nt_step = gridDim.x * TPB;
-#if KS > 1
-    const int nt0 = nt;
-    float* part = (float*)(smem + M * KWP + 72 + M * NSTEP);   // [WARPS][8][M] the warps' sums
-#endif
+    int nt = blockIdx.x * WARPS + warp;
+    const int nt_step = gridDim.x * WARPS;
 
 #if CPA
 #pragma unroll
@@ -431,7 +414,7 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 #else
     uint4 wcur[V];
     {
-        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c + 4 * s_lo;
+        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
 #pragma unroll
         for (int v = 0; v < V; v++) wcur[v] = nt < n_tiles ? ld_stream(wp + 4 * v) : make_uint4(0, 0, 0, 0);
     }
@@ -461,8 +444,8 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     while (nt < n_tiles) {
         const int nt_next = nt + nt_step;
 #if !CPA
-        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c + 4 * s_lo;
-        const uint4* wpn = qw + (size_t)min(nt_next * 8 + g, N - 1) * KQ + c + 4 * s_lo;
+        const uint4* wp = qw + (size_t)min(nt * 8 + g, N - 1) * KQ + c;
+        const uint4* wpn = qw + (size_t)min(nt_next * 8 + g, N - 1) * KQ + c;
 #endif
         const int n0 = nt * 8 + 2 * c;
         const u16* sc0 = sc + min(n0, N - 1);
@@ -493,11 +476,11 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 #endif
 #pragma unroll
             for (int v = 0; v < V; v++) {
-                const int st = s_lo + b * V + v, j = st % GS;
-                if (j == 0 || st == s_lo) {                  // a super-step starts: load the scales and mins
+                const int st = b * V + v, j = st % GS;
+                if (j == 0) {                                // a super-step starts: load the scales and mins
 #pragma unroll                                               // its end needs, so that their latency hides
                     for (int h = 0; h < 2; h++) {            // behind its steps (not a stall per super-step)
-                        const int sst = min(st - j + (h ? jB : jA), NSTEP - 1);
+                        const int sst = min(st + (h ? jB : jA), NSTEP - 1);
                         const size_t go = (size_t)min(((sst * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
                         const u32 ss = __ldg(sc0 + go) | ((u32)__ldg(sc1 + go) << 16);
                         const u32 sm = __ldg(mn0 + go) | ((u32)__ldg(mn1 + go) << 16);
@@ -530,12 +513,12 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                     mma((u & 1) ? e : d, xa.x, xb.x, xa.y, xb.y, q0, q1);
                     mma((u & 1) ? e : d, xa.z, xb.z, xa.w, xb.w, q2, q3);
                 }
-                if (j == GS - 1 || st == s_lo + SPW - 1) {   // super-step done: each lane corrects its rows
+                if (j == GS - 1 || st == NSTEP - 1) {        // super-step done: each lane corrects its rows
                     const int s0 = st - j;                   // first step of this super-step
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int mm = h ? mB : mA, jj = h ? jB : jA, sst = s0 + jj;
-                        if (mm < M && sst >= s_lo && sst < s_lo + SPW) {
+                        if (mm < M && sst < NSTEP) {
                             const float X = xsum[mm * NSTEP + sst];
                             const u32 ss = h ? ssB : ssA, sm = h ? smB : smA;
                             const float S0 = h2f((u16)(ss & 0xFFFFu)), S1 = h2f((u16)(ss >> 16));
@@ -573,14 +556,10 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                     const int n = n0 + t2;
                     if (n < N) {
                         float y = acc[2 * h + t2];
-#if KS > 1
-                        part[(warp * 8 + (n - nt * 8)) * M + mm] = y;
-#else
 #if HAS_BIAS
                         y += to_f32(bias[n]);
 #endif
                         out[(size_t)mm * stride_om + n] = from_f32(y);
-#endif
                     }
                 }
             }
@@ -589,23 +568,6 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     }
 #if CPA
     asm volatile("cp.async.wait_all;\n" ::);
-#endif
-#if KS > 1   // the tile's first warp adds the KS warps' sums in order and writes them
-    __syncthreads();
-    if (warp % KS == 0 && nt0 < n_tiles) {
-        for (int i = lane; i < 8 * M; i += 32) {
-            const int r = i / M, mm = i - r * M, n = nt0 * 8 + r;
-            if (n < N) {
-                float y = 0.f;
-#pragma unroll
-                for (int s = 0; s < KS; s++) y += part[((warp + s) * 8 + r) * M + mm];
-#if HAS_BIAS
-                y += to_f32(bias[n]);
-#endif
-                out[(size_t)mm * stride_om + n] = from_f32(y);
-            }
-        }
-    }
 #endif
 }
 """
@@ -660,7 +622,7 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath),
-                  "CPA": shape.stages, "KS": shape.ksplit}
+                  "CPA": shape.stages}
         body = _DIAG_SOURCE
     elif isinstance(shape, MmaShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
@@ -891,12 +853,10 @@ def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int
     return out
 
 
-def diag_shared_bytes(m: int, kw: int, warps: int = 0, stages: int = 0, batch: int = 0, ksplit: int = 1) -> int:
+def diag_shared_bytes(m: int, kw: int, warps: int = 0, stages: int = 0, batch: int = 0) -> int:
     """Shared memory of ktk_int4_diag: x pairs, zeros and step sums, then (stages > 0) each warp's cp.async
-    ring of `stages` x 8 rows x `ring_pitch(batch)` quads, or (ksplit > 1) each warp's 8 x m sums."""
+    ring of `stages` x 8 rows x `ring_pitch(batch)` quads."""
     head = (m * (kw * 4 + (kw // 8) * 4) + 72 + m * (kw // 16)) * 4
-    if ksplit > 1:
-        return head + warps * 8 * m * 4
     return head if not stages else (head + 15) // 16 * 16 + warps * stages * 8 * ring_pitch(batch) * 16
 
 
@@ -926,16 +886,13 @@ class DiagShape:
     mr: int               # rows of x rounded up to 1, 2, 4, 8 or 16
     nomath: bool = False  # (scripts/int4_diag_probe.py: loads and loop only, no unpacking or mma)
     stages: int = 0       # weights through a cp.async ring of this many stages in shared memory (0: registers)
-    ksplit: int = 1       # warps sharing one 8-row tile, each a slice of K (1: a warp walks whole rows)
 
 
 def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int = 4, batch: int = 2,
-              ctas_per_sm: int = 0, stages: int = 0, ksplit: int = 1) -> torch.Tensor:
+              ctas_per_sm: int = 0, stages: int = 0) -> torch.Tensor:
     """As `gemv_mma`, with the scale corrections once per super-step of 16 / rows steps (ktk_int4_diag).
     `stages` >= 2: the weights go through a per-warp cp.async ring in shared memory of that depth (each copy
-    512 contiguous bytes) instead of registers (each load 64 bytes of 8 rows). `ksplit` > 1: that many warps
-    of a block share an 8-row tile, each a slice of K (`warps` a multiple of it; it must divide the 128-input
-    steps of a row; no persistent grid or ring then)."""
+    512 contiguous bytes) instead of registers (each load 64 bytes of 8 rows)."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
@@ -943,25 +900,19 @@ def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: in
         raise ValueError(f"warps must be >= 1, got {warps}")
     x, bias, idx = _checked(x, w, bias)
     steps = kw // 16
-    if ksplit < 1 or warps % ksplit or steps % ksplit:
-        raise ValueError(f"ksplit must divide the warps ({warps}) and the 128-input steps of a row ({steps}), "
-                         f"got {ksplit}")
-    if ksplit > 1 and (ctas_per_sm or stages):
-        raise ValueError("the K split (ksplit > 1) takes neither a persistent grid nor a cp.async ring")
-    span = steps // ksplit                      # steps a warp takes
-    batch = max(1, min(batch, span))
-    while span % batch:
+    batch = max(1, min(batch, steps))
+    while steps % batch:
         batch -= 1
     stages = diag_stages(stages, steps, batch)
-    smem = diag_shared_bytes(m, kw, warps, stages, batch, ksplit)
+    smem = diag_shared_bytes(m, kw, warps, stages, batch)
     why = mma_fits(w, m, idx) or (None if smem <= smem_limit(idx) else
                                   f"x and the weight ring ({smem} bytes) do not fit in shared memory")
     if why:
         raise ValueError(f"the tensor-core int4 GEMV cannot run here: {why}")
     shape = DiagShape(w.pack, steps, batch, warps, x.dtype == torch.bfloat16, bias is not None,
-                      1 << max(m - 1, 0).bit_length(), False, stages, ksplit)
+                      1 << max(m - 1, 0).bit_length(), False, stages)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    blocks = -(-(-(-n // 8)) // (warps // ksplit))
+    blocks = -(-(-(-n // 8)) // warps)
     if ctas_per_sm > 0:
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
     _launch(shape, idx, blocks, warps, smem,
