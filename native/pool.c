@@ -47,8 +47,6 @@ struct ktk_pool {
     void **scratch;
     size_t *scratch_size;
     long spin_ns, caller_spin_ns;       /* how long idle workers / the waiting caller spin before the futex */
-    int yield_caller;                   /* the worker on the caller's CPU sleeps at once when idle (below) */
-    _Atomic int caller_cpu;             /* the CPU the last job was posted from (-1: none yet) */
     int64_t claim_n;                    /* items taken per claim ($KTINJECT_POOL_CLAIM, 1-64; 1 by default) */
     /* trace (KTINJECT_POOL_TRACE): times of the current job, sums since the last read */
     int trace;
@@ -164,13 +162,7 @@ static void *worker(void *arg) {
                 if (++k == 64) {
                     k = 0;
                     sched_yield();          /* let a runnable caller (Python, GPU launches) have the core */
-                    /* the worker pinned to the CPU jobs are posted from does not spin there at all: between
-                     * jobs that core is the caller's (at threads = cores the caller shares one with a worker,
-                     * and a spinning neighbour stretched its few microseconds of work to tens) */
-                    const long spin = p->yield_caller && p->cpu[tid] >= 0 &&
-                                      p->cpu[tid] == atomic_load_explicit(&p->caller_cpu, memory_order_relaxed)
-                                      ? 0 : p->spin_ns;
-                    if (now_ns() - t0 > spin) {
+                    if (now_ns() - t0 > p->spin_ns) {
                         atomic_fetch_add(&p->sleepers, 1);
                         while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen)
                             futex_wait(&p->gen, seen);
@@ -222,9 +214,6 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     p->spin_ns = (s ? atol(s) : 1000) * 1000L;
     s = getenv("KTINJECT_CALLER_SPIN_US");
     p->caller_spin_ns = s ? atol(s) * 1000L : p->spin_ns;
-    s = getenv("KTINJECT_POOL_YIELD_CALLER");
-    p->yield_caller = s ? atoi(s) != 0 : 1;
-    atomic_store(&p->caller_cpu, -1);
     s = getenv("KTINJECT_POOL_TRACE");
     p->trace = s && *s && *s != '0';
     s = getenv("KTINJECT_POOL_CLAIM");
@@ -298,7 +287,6 @@ int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const
         atomic_store_explicit(&p->completed[i], 0, memory_order_relaxed);
     }
     if (p->trace) { atomic_store(&p->t_first, 0); atomic_store(&p->t_last, 0); p->t_post = now_ns(); }
-    if (p->yield_caller) atomic_store_explicit(&p->caller_cpu, sched_getcpu(), memory_order_relaxed);
     atomic_store(&p->gen, g);       /* seq_cst: publishes the job, ordered before the sleepers load */
     if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen);
     return KTK_OK;
