@@ -233,10 +233,10 @@ for l in sys.stdin:
 fi
 if [[ $steps == *" callerspin "* ]]; then   # decode at threads = cores: does the waiting caller's spin (on a core a
   # worker is pinned to) cost the workers? KTINJECT_CALLER_SPIN_US unset (= KTINJECT_SPIN_US, 1000) vs 0 (futex at once),
-  # alternating (SPIN_CONFIGS: other environments to alternate, e.g. KTINJECT_SPIN_US=0)
+  # alternating, then 15 threads for reference
   for i in $(seq ${AB_ROUNDS:-2}); do
-    for cs in ${SPIN_CONFIGS:-default KTINJECT_CALLER_SPIN_US=0}; do
-      env $([ $cs = default ] || echo $cs) timeout -s KILL 120 python3 -m ktinject bench experts \
+    for cs in default 0; do
+      env $([ $cs = default ] || echo KTINJECT_CALLER_SPIN_US=$cs) timeout -s KILL 120 python3 -m ktinject bench experts \
         --quant ${SPIN_QUANTS:-q4_k,q8_0} --batch 1 --threads ${SPIN_THREADS:-16} --gib 3 --probe-gib 3 --seconds 2 --json \
         --trace 2>/dev/null | tee -a "$OUT/callerspin.jsonl" | python3 -c "import sys, json
 for l in sys.stdin:
