@@ -46,7 +46,7 @@ struct ktk_pool {
     _Atomic int64_t completed[MAX_PHASES];
     void **scratch;
     size_t *scratch_size;
-    long spin_ns, caller_spin_ns;       /* how long idle workers / the waiting caller spin before the futex */
+    long spin_ns;
     int64_t claim_n;                    /* items taken per claim ($KTINJECT_POOL_CLAIM, 1-64; 1 by default) */
     /* trace (KTINJECT_POOL_TRACE): times of the current job, sums since the last read */
     int trace;
@@ -212,8 +212,6 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     pthread_once(&spin_once, spin_read);   /* before any thread of this pool spins */
     const char *s = getenv("KTINJECT_SPIN_US");
     p->spin_ns = (s ? atol(s) : 1000) * 1000L;
-    s = getenv("KTINJECT_CALLER_SPIN_US");
-    p->caller_spin_ns = s ? atol(s) * 1000L : p->spin_ns;
     s = getenv("KTINJECT_POOL_TRACE");
     p->trace = s && *s && *s != '0';
     s = getenv("KTINJECT_POOL_CLAIM");
@@ -302,7 +300,7 @@ int ktk_pool_wait(ktk_pool *p) {
         ktk_relax();
         if (++k == 64) {
             k = 0;
-            if (now_ns() - t0 > p->caller_spin_ns) break;
+            if (now_ns() - t0 > p->spin_ns) break;
             sched_yield();
         }
     }

@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [grouped] [callerspin] [chunkab] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [grouped] [chunkab] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -230,19 +230,6 @@ if [[ $steps == *" grouped "* ]]; then   # the 8-bit grouped (prefill) path on A
     --probe-gib 3 --seconds 2 --json 2>/dev/null | tee -a "$OUT/decode.jsonl" | python3 -c "import sys, json
 for l in sys.stdin:
     r = json.loads(l); print({k: r.get(k) for k in ('quant', 'threads', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction')})"
-fi
-if [[ $steps == *" callerspin "* ]]; then   # decode at threads = cores: does the waiting caller's spin (on a core a
-  # worker is pinned to) cost the workers? KTINJECT_CALLER_SPIN_US unset (= KTINJECT_SPIN_US, 1000) vs 0 (futex at once),
-  # alternating, then 15 threads for reference
-  for i in $(seq ${AB_ROUNDS:-2}); do
-    for cs in default 0; do
-      env $([ $cs = default ] || echo KTINJECT_CALLER_SPIN_US=$cs) timeout -s KILL 120 python3 -m ktinject bench experts \
-        --quant ${SPIN_QUANTS:-q4_k,q8_0} --batch 1 --threads ${SPIN_THREADS:-16} --gib 3 --probe-gib 3 --seconds 2 --json \
-        --trace 2>/dev/null | tee -a "$OUT/callerspin.jsonl" | python3 -c "import sys, json
-for l in sys.stdin:
-    r = json.loads(l); print('caller spin $cs', {k: r.get(k) for k in ('quant', 'threads', 'ms_per_layer', 'gbps', 'fraction', 'trace_us')})"
-    done
-  done
 fi
 if [[ $steps == *" chunkab "* ]]; then   # prefill by chunk size (CPU experts on AMX convert every weight once per
   # chunk, so larger chunks amortize it), V2-Lite hybrid, alternating; CHUNKS: the sizes
