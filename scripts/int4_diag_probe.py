@@ -16,8 +16,10 @@ from ktinject.operators.kernels.int4_triton import tiled_groups  # noqa: E402
 
 
 def run_diag(x, w, out, warps, batch, ctas, nomath, stages=0):
+    """One launch of ktk_int4_diag for one bf16 row (scripts/int4_grid_probe.py uses it too); its DiagShape."""
     n, kw = w.qweight.shape
     idx = C.device_index(x.device)
+    batch = min(batch, kw // 16)
     stages = C.diag_stages(stages, kw // 16, batch)
     shape = C.DiagShape(w.pack, kw // 16, batch, warps, True, False, 1, nomath, stages)
     blocks = -(-(-(-n // 8)) // warps)
@@ -26,6 +28,7 @@ def run_diag(x, w, out, warps, batch, ctas, nomath, stages=0):
     C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw, warps, stages, batch),
               [x, w.qweight, w.scales, w.mins, w.scales, out, n, x.shape[1], kw, tiled_groups(w)[1],
                int(w.scales.shape[0]), 1, x.stride(0), out.stride(0)])
+    return shape
 
 
 def main() -> int:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line, read_bandwidth, torch_int4  # noqa: E402
 from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E402
-from ktinject.operators.kernels.int4_triton import int4_gemv_tiled, tiled_config, tiled_groups  # noqa: E402
+from ktinject.operators.kernels.int4_triton import int4_gemv_tiled, tiled_config  # noqa: E402
+from int4_diag_probe import run_diag  # noqa: E402  (this folder: sys.path[0] when run as a script)
 
 
 def regs(shape, idx):
@@ -35,22 +36,6 @@ def regs(shape, idx):
     v = ctypes.c_int()
     _get_gpu_runtime_library().cuFuncGetAttribute(ctypes.byref(v), 4, C._binary(shape, idx).func)  # NUM_REGS
     return v.value
-
-
-def run_diag(x, w, out, warps, batch, ctas, stages, nomath):
-    n, kw = w.qweight.shape
-    idx = C.device_index(x.device)
-    steps = kw // 16
-    batch = min(batch, steps)
-    stages = C.diag_stages(stages, steps, batch)
-    shape = C.DiagShape(w.pack, steps, batch, warps, True, False, 1, nomath, stages)
-    blocks = -(-(-(-n // 8)) // warps)
-    if ctas:
-        blocks = min(blocks, ctas * torch.cuda.get_device_properties(idx).multi_processor_count)
-    C._launch(shape, idx, blocks, warps, C.diag_shared_bytes(1, kw, warps, stages, batch),
-              [x, w.qweight, w.scales, w.mins, w.scales, out, n, x.shape[1], kw, tiled_groups(w)[1],
-               int(w.scales.shape[0]), 1, x.stride(0), out.stride(0)])
-    return shape
 
 
 def read_floor(nbytes: int, reps: int) -> tuple[float, str]:
@@ -127,14 +112,14 @@ def main(argv=None) -> int:
             res = []
             try:
                 for nomath in (False, True):
-                    shape = run_diag(x, w0, out, warps, batch, ctas, stages, nomath)
+                    shape = run_diag(x, w0, out, warps, batch, ctas, nomath, stages)
                     torch.cuda.synchronize()
                     if not nomath:
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         worst = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                         if not (err < 1e-2 and worst < 3e-2):
                             raise RuntimeError(f"wrong (rel err {err:.2g}, worst {worst:.2g})")
-                    res.append(graph_time([lambda w=w, nm=nomath: run_diag(x, w, out, warps, batch, ctas, stages, nm)
+                    res.append(graph_time([lambda w=w, nm=nomath: run_diag(x, w, out, warps, batch, ctas, nm, stages)
                                            for w in copies], a.reps))
                 rows.append((res[0], res[1], warps, shape.batch, stages, ctas, regs(shape, idx)))
             except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
