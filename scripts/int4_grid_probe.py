@@ -9,6 +9,7 @@ Per shape, CUDA-graph replays over >= 256 MB of copies (L2 holds none), median:
   wave per program, block and warps swept): the floor any kernel reading these bytes has here, launch and
   first-load latency included;
 * `linear_int4`'s path today (`int4_gemv_tiled`) and torch's tinygemm;
+* the one-row CUDA C kernel (`cuda`) over a few (rows a warp, warps, step batch);
 * the tensor-core `diag` kernel over a grid of (warps, batch V, ring stages, persistent CTAs), each
   config as it is and with its unpacking and mma removed (`nomath`: the loads and the loop only), with
   the registers a thread takes (occupancy). The `top` fastest are printed, and the config TUNED holds.
@@ -71,11 +72,30 @@ def reference_paths(x, iw, copies, reps):
     return sorted(out)
 
 
+def cuda_grid(x, w0, ref, copies, reps):
+    """(seconds, name) of the one-row `cuda` kernel over (rows a warp, warps, step batch), fastest first."""
+    found = []
+    for rpw, warps, sb in ((4, 8, 2), (2, 4, 2), (2, 8, 2), (1, 4, 2), (4, 4, 2), (1, 8, 2), (2, 4, 4), (4, 8, 4)):
+        kw = dict(rows_per_warp=rpw, warps=warps, step_batch=sb)
+        try:
+            y = C.gemv(x, w0, **kw)
+            torch.cuda.synchronize()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                raise RuntimeError(f"wrong (rel err {err:.2g})")
+            found.append((graph_time([lambda w=w, kw=kw: C.gemv(x, w, **kw) for w in copies], reps),
+                          f"cuda r{rpw} w{warps} batch {sb}"))
+        except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
+            print(f"  cuda r{rpw} w{warps} batch {sb}: {type(exc).__name__}: {str(exc)[:100]}")
+    return sorted(found)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="2048x2048,3072x2048,4096x2048,7168x2048,4096x4096,10944x2048,21888x2048")
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--modes", default="cuda,diag", help="kernels to sweep: cuda (one-row CUDA C), diag")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     roof = read_bandwidth()
@@ -101,9 +121,16 @@ def main(argv=None) -> int:
               f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how}, "
               f"{wbytes / t_read / roof:.2f} of the roofline)", flush=True)
         tuned = tiled_config(1, n, k, 128)
-        for t, name in reference_paths(x, iw, copies, a.reps):
+        found = reference_paths(x, iw, copies, a.reps)
+        if "cuda" in a.modes:
+            found += cuda_grid(x, w0, ref, copies, a.reps)[:a.top]
+        for t, name in found:
             print(f"  {name:<40} {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {wbytes / t / roof:.2f} HBM, "
                   f"{t / t_read:.2f}x the plain read)", flush=True)
+        if "diag" not in a.modes:
+            del copies
+            torch.cuda.empty_cache()
+            continue
         steps = k // 128
         grid = [(w, v, st, ct) for w, v, st, ct in itertools.product((2, 4, 8, 10, 11), (2, 4, 8), (0, 2, 4), (0, 2))
                 if not (ct and w < 8) and not (st and C.diag_stages(st, steps, v) != st)]
