@@ -96,32 +96,6 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     float* qe = smem + KW * 8;                   // [NQ * NSUB] sum of C x per quad and group part
     float* qs = qe + NQ * NSUB;                  // [NQ * NSUB] sum of x
     const int tid = threadIdx.x;
-    const int warp = tid >> 5, lane = tid & 31;
-    const int row0 = (blockIdx.x * WARPS + warp) * R;
-    size_t rbase[R];
-    int rows[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        rows[r] = min(row0 + r, N - 1);          // clamped: loads need no mask, stores are masked
-        rbase[r] = (size_t)rows[r] * NQ;
-    }
-    // the first batch of weights in flight before the x staging (its memory round trip overlaps the
-    // staging's and the barrier), and the block's scales and mins on their way to L2 (one line per group
-    // and array holds the block's R x WARPS rows)
-    uint4 W[R][SB];
-#pragma unroll
-    for (int b = 0; b < SB; b++) {
-        const int q = b * 32 + lane;
-#pragma unroll
-        for (int r = 0; r < R; r++) W[r][b] = (b < S && q < NQ) ? ld_stream(qw + rbase[r] + q) : make_uint4(0, 0, 0, 0);
-    }
-    {
-        const int rb = min(blockIdx.x * WARPS * R, N - 1);
-        for (int i = tid; i < 2 * NG; i += NT) {
-            const u16* a = (i & 1 ? mn : sc) + (size_t)(i >> 1) * N + rb;
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
-        }
-    }
     for (int q = tid; q < NQ; q += NT) {
         const int wi = q * 4, t = wi / P, j0 = wi % P;
         float se[NSUB], ss[NSUB];
@@ -143,20 +117,28 @@ ktk_int4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
     }
     __syncthreads();
 
+    const int warp = tid >> 5, lane = tid & 31;
+    const int row0 = (blockIdx.x * WARPS + warp) * R;
+    size_t rbase[R];
+    int rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        rows[r] = min(row0 + r, N - 1);          // clamped: loads need no mask, stores are masked
+        rbase[r] = (size_t)rows[r] * NQ;
+    }
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
 
 #pragma unroll
     for (int s0 = 0; s0 < S; s0 += SB) {
-        if (s0 > 0) {
+        uint4 W[R][SB];
 #pragma unroll
-            for (int b = 0; b < SB; b++) {       // every load of the batch first (batch 0: above)
-                const int q = (s0 + b) * 32 + lane;
+        for (int b = 0; b < SB; b++) {           // every load of the batch first
+            const int q = (s0 + b) * 32 + lane;
 #pragma unroll
-                for (int r = 0; r < R; r++)
-                    W[r][b] = (s0 + b < S && q < NQ) ? ld_stream(qw + rbase[r] + q) : make_uint4(0, 0, 0, 0);
-            }
+            for (int r = 0; r < R; r++)
+                W[r][b] = (s0 + b < S && q < NQ) ? ld_stream(qw + rbase[r] + q) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int b = 0; b < SB; b++) {
