@@ -30,6 +30,26 @@ def test_bench_experts_json(capsys):
     assert {r["quant"] for r in rows} == {"q4_k", "bf16"} and {r["batch"] for r in rows} == {1, 20}
 
 
+def test_bench_experts_trace_reports_the_job_apart(capsys, monkeypatch):
+    """--trace: per-phase microseconds, and the layer inside the pool's job (post to done) beside the
+    whole call: job_ms within the call's time, its GB/s and fraction from the same bytes and probe;
+    the table says how much of a call is the caller's side."""
+    monkeypatch.delenv("KTINJECT_POOL_TRACE", raising=False)     # the bench sets it; undone after the test
+    rc = main(["bench", "experts", *TINY, "--quant", "q8_0", "--batch", "1,20", "--threads", "2", "--json", "--trace"])
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    for r in rows:
+        tr = r["trace_us"]
+        assert tr["jobs"] >= 2 and tr["done"] > 0 and tr["gate_up"] > 0 and tr["down"] > 0
+        assert 0 < r["job_ms"] <= r["ms_per_layer"] * 1.05
+        assert r["job_gbps"] >= r["gbps"] * 0.95                     # the same bytes in less time
+        assert abs(r["job_fraction"] - r["job_gbps"] / r["bandwidth_gbps"]) < 0.01
+    assert main(["bench", "experts", *TINY, "--quant", "q8_0", "--threads", "1", "--trace"]) == 0
+    out = capsys.readouterr().out
+    assert "routed-experts layer" in out and "inside the pool's job" in out and "the caller's side" in out
+
+
 def test_bench_table_and_errors(capsys):
     assert main(["bench", "experts", *TINY, "--quant", "q8_0", "--threads", "1"]) == 0
     assert "routed-experts layer" in capsys.readouterr().out

@@ -58,7 +58,9 @@ def add_arguments(p) -> None:
     g.add_argument("--seconds", type=float, default=1.0, help="time budget per configuration (default 1 s)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
-                   "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts")
+                   "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts, "
+                   "and the layer's time, GB/s and fraction inside the pool's job (job_ms, job_gbps, job_fraction): "
+                   "the rest of a call is the caller's side")
 
 
 def run(args) -> int:
@@ -168,9 +170,9 @@ def bench_experts(args) -> int:
                 routes = [random_routing(T, E, k, seed) for seed in range(4)]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
-                if args.trace:
-                    native.pool_trace(pool)                 # reset the sums
                 tiles_before = probe_amx_gemm(pool) if isa_name == "amx" else None
+                if args.trace:
+                    native.pool_trace(pool)                 # reset the sums (after the tile probe's own jobs)
                 n_calls, t0 = 0, time.perf_counter()
                 bytes_read = 0
                 while True:
@@ -192,7 +194,11 @@ def bench_experts(args) -> int:
                        "weight_set_gib": round(len(layers) * layer_bytes / GIB, 2),
                        "shape": {"hidden": H, "inter": I, "experts": E, "topk": k}}
                 if args.trace:
-                    row["trace_us"] = native.pool_trace(pool) or {}
+                    tr = row["trace_us"] = native.pool_trace(pool) or {}
+                    if tr.get("done"):                      # the layer inside the pool's job: post to done
+                        job_gbps = bytes_read / n_calls / (tr["done"] * 1e-6) / 1e9
+                        row.update(job_ms=round(tr["done"] / 1e3, 4), job_gbps=round(job_gbps, 2),
+                                   job_fraction=round(job_gbps / bw, 3))
                 if tiles_before is not None:               # the tile unit's speed around the run (it can move 3x)
                     row["amx_probe_us"] = _tile_probe(tiles_before, probe_amx_gemm(pool))
                 rows.append(row)
@@ -226,6 +232,10 @@ def _table(rows) -> None:
                   f"{r['fraction']:.2f}", f"{r['tflops']:.2f}")
     console.print(t)
     for r in rows:
+        if "job_ms" in r:
+            console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: inside the pool's job (post to done) "
+                          f"{r['job_ms']:.3f} ms, {r['job_gbps']:.1f} GB/s, fraction {r['job_fraction']:.2f}; the rest "
+                          f"of a call, {1e3 * (r['ms_per_layer'] - r['job_ms']):.0f} us, is the caller's side")
         if "amx_probe_us" in r:
             p = r["amx_probe_us"]
             console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: AMX tile probe (32x48x2048 GEMM a "
