@@ -148,3 +148,20 @@ def test_console_script_entry_point():
     r = subprocess.run([sys.executable, "-m", "ktinject", "validate", "qwen2-moe-cpu", "-q"], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "ok qwen2-moe-cpu" in r.stdout
+
+
+def test_brackets_from_rule_files_are_printed_as_text(capsys, tiny_dir, tmp_path):
+    """A regex like 'a[/]b' or a key '[bold]x' is text, not console markup: printed as written, no crash."""
+    good = tmp_path / "brackets.yaml"
+    good.write_text("version: 1\nrules:\n  - match: {name: 'a[/]b'}\n    replace: {op: keep}\n")
+    assert main(["validate", str(good)]) == 0
+    assert "name=a[/]b" in capsys.readouterr().out
+    assert main(["explain", str(tiny_dir), "--rules", str(good)]) == 0
+    assert "name='a[/]b'" in capsys.readouterr().out
+    for i, key in enumerate(["[/]", "[bold]x"]):
+        bad = tmp_path / f"key{i}.yaml"
+        bad.write_text(f"version: 1\n'{key}': 1\n")
+        assert main(["validate", str(bad)]) == 2
+        assert f"key '{key}': unknown key" in capsys.readouterr().err
+        assert main(["explain", str(tiny_dir), "--rules", str(bad)]) == 2
+        assert f"key '{key}': unknown key" in capsys.readouterr().err

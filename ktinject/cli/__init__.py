@@ -18,6 +18,7 @@ import pkgutil
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import KtInjectError
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     except KtInjectError as exc:
         if args.debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -1,6 +1,7 @@
 """`ktinject explain MODEL --rules R`: the plan as a table, bytes per device, rules that matched nothing."""
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from ._common import add_model_arguments, human_bytes, model_path, pick_rules
@@ -29,7 +30,7 @@ def run(args) -> int:
         console.out(p.to_json(indent=1), highlight=False)
         return 0
     subtree = _subtree_bytes(p)
-    table = Table(title=f"plan for {path}", show_edge=False, pad_edge=False)
+    table = Table(title=escape(f"plan for {path}"), show_edge=False, pad_edge=False)
     for col, kw in (("module", {"overflow": "fold"}), ("class", {"overflow": "fold"}), ("rule", {"overflow": "fold"}),
                     ("op", {}), ("device", {}), ("dtype", {}), ("bytes", {"justify": "right", "no_wrap": True})):
         table.add_column(col, **kw)
@@ -40,7 +41,7 @@ def run(args) -> int:
         dev = e.device if e.prefill_device == e.device else f"{e.prefill_device} / {e.device}"
         if e.fallback:
             dev += f" [yellow](fallback: {e.fallback})[/]"
-        rule = f"{e.rule.rsplit('/', 1)[-1]}" if e.rule else "[dim]inherited[/]"
+        rule = escape(e.rule.rsplit('/', 1)[-1]) if e.rule else "[dim]inherited[/]"
         table.add_row(e.name or "(root)", e.cls, rule, op, dev, e.dtype, human_bytes(subtree[e.name]))
     console.print(table)
     totals = Table(title="bytes per device", show_edge=False, pad_edge=False)
@@ -58,11 +59,11 @@ def run(args) -> int:
     if p.overridden_rules:
         console.print("[dim]rules overridden by earlier rules (every module they match was taken first):[/]")
         for r in p.overridden_rules:
-            console.print(f"  [dim]{r}[/]", highlight=False)
+            console.print(f"  [dim]{escape(str(r))}[/]", highlight=False)
     if p.unmatched_rules:
         console.print("[yellow]rules that matched nothing:[/]")
         for r in p.unmatched_rules:
-            console.print(f"  {r}", highlight=False)
+            console.print(f"  {escape(str(r))}", highlight=False)
     else:
         console.print("[green]every rule matched at least one module[/]")
     return 0

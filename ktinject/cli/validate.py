@@ -1,6 +1,7 @@
 """`ktinject validate RULES...`: check rule files (schema, operators, kwargs, regexes) without a model."""
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import KtInjectError
@@ -23,9 +24,9 @@ def run(args) -> int:
             rs = load_rules(ref)
         except KtInjectError as exc:
             failed += 1
-            err_console.print(f"[bold red]invalid:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]invalid:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             continue
-        console.print(f"[green]ok[/] {ref}: {len(rs)} rule(s) from {len(rs.files)} file(s); "
+        console.print(f"[green]ok[/] {escape(str(ref))}: {len(rs)} rule(s) from {len(rs.files)} file(s); "
                       f"defaults: device={rs.default_device or 'cpu'} dtype={rs.default_dtype or 'model'}",
                       highlight=False)
         if args.quiet:
@@ -40,7 +41,7 @@ def run(args) -> int:
             dev = r.generate.device or "inherit"
             if r.prefill.device != r.generate.device:
                 dev = f"{r.prefill.device or 'inherit'} / {dev}"
-            table.add_row(f"{_short(r.file)}:{r.line}", match, op, dev, "yes" if r.recursive else "no")
+            table.add_row(escape(f"{_short(r.file)}:{r.line}"), escape(match), op, dev, "yes" if r.recursive else "no")
         console.print(table)
     return 2 if failed else 0
 
