@@ -271,3 +271,23 @@ def test_not_utf8(tmp_path):
     p = tmp_path / "bin.yaml"
     p.write_bytes(b"version: 1\n\xff\xfe\n")
     assert "UTF-8" in str(error_of(p))
+
+
+def test_self_referencing_anchor_huge_number_and_lone_surrogate(tmp_path):
+    """Values PyYAML builds but Python cannot use: a RuleError naming the line, not a RecursionError,
+    a ValueError or a UnicodeEncodeError later when the rule is printed."""
+    p = write(tmp_path, "version: 1\nrules: &a [*a]\n", name="self.yaml")
+    err = error_of(p)
+    assert "nesting deeper" in str(err) and err.line == 2
+    chain = ["version: 1", "x0: &a0 [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]"]
+    chain += [f"x{i}: &a{i} [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[*a{i - 1}]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]" for i in range(1, 40)]
+    p = tmp_path / "chain.yaml"
+    p.write_text("\n".join(chain) + "\n")
+    assert "nesting deeper" in str(error_of(p))
+    p = write(tmp_path, "version: 1\nrules:\n  - match: {name: x}\n    replace: {op: cpu_experts, kwargs: {threads: "
+              + "9" * 5000 + "}}\n", name="big.yaml")
+    err = error_of(p)
+    assert "too long (5000 characters)" in str(err) and err.line == 4
+    p = write(tmp_path, 'version: 1\nrules:\n  - match: {name: "\\ud800"}\n    replace: {op: keep}\n', name="sur.yaml")
+    err = error_of(p)
+    assert "surrogate" in str(err) and err.line == 3

@@ -4,7 +4,7 @@ Budgets are checked on the event stream before any node tree is built, so neithe
 file, a deep nesting nor a "billion laughs" alias bomb can exhaust memory or the stack:
 
 * the file is at most `MAX_BYTES`;
-* nesting depth is at most `MAX_DEPTH`, aliases at most `MAX_ALIASES`;
+* nesting depth (also with aliases expanded) is at most `MAX_DEPTH`, aliases at most `MAX_ALIASES`;
 * the expanded tree (aliases counted at every use) has at most `MAX_NODES` nodes.
 
 Only the YAML core tags are accepted (`!!python/...` or any custom tag is an error), and
@@ -96,12 +96,15 @@ def _check_events(text: str, file: str) -> None:
         raise _yaml_error(exc, file) from None
 
 
-def _convert(node: yaml.Node, file: str, budget: list, loader: yaml.SafeLoader) -> Any:
+def _convert(node: yaml.Node, file: str, budget: list, loader: yaml.SafeLoader, depth: int = 0) -> Any:
     budget[0] -= 1
     if budget[0] < 0:
         raise RuleError(f"rule file expands to more than {MAX_NODES} values (alias bomb?)", file=file,
                         line=node.start_mark.line + 1)
     line = node.start_mark.line + 1
+    if depth > MAX_DEPTH:          # only through aliases: _check_events bounds the written nesting
+        raise RuleError(f"nesting deeper than {MAX_DEPTH} levels once aliases are expanded (an anchor used "
+                        "inside itself?)", file=file, line=line)
     if isinstance(node, yaml.MappingNode):
         if node.tag != _CORE + "map":
             raise _tag_error(node.tag, file, line)
@@ -110,12 +113,12 @@ def _convert(node: yaml.Node, file: str, budget: list, loader: yaml.SafeLoader) 
         for knode, vnode in node.value:
             if knode.tag == _CORE + "merge":
                 raise RuleError("YAML merge keys ('<<') are not allowed", file=file, line=knode.start_mark.line + 1)
-            key = _convert(knode, file, budget, loader)
+            key = _convert(knode, file, budget, loader, depth + 1)
             if not isinstance(key, (str, int, float, bool)) or key is None:
                 raise RuleError("mapping keys must be plain scalars", file=file, line=knode.start_mark.line + 1)
             if key in out:
                 raise RuleError("duplicate key", file=file, line=knode.start_mark.line + 1, key=str(key))
-            out[key] = _convert(vnode, file, budget, loader)
+            out[key] = _convert(vnode, file, budget, loader, depth + 1)
             out.key_lines[key] = knode.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
@@ -124,12 +127,22 @@ def _convert(node: yaml.Node, file: str, budget: list, loader: yaml.SafeLoader) 
         out = LList()
         out.line, out.item_lines = line, []
         for item in node.value:
-            out.append(_convert(item, file, budget, loader))
+            out.append(_convert(item, file, budget, loader, depth + 1))
             out.item_lines.append(item.start_mark.line + 1)
         return out
     if node.tag not in _SCALAR_TAGS:
         raise _tag_error(node.tag, file, line)
     try:
-        return loader.construct_object(node, deep=True)
+        value = loader.construct_object(node, deep=True)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, file) from None
+    except ValueError:               # an integer of more digits than Python converts (4300)
+        raise RuleError(f"number {node.value[:16]}... is too long ({len(node.value)} characters)", file=file,
+                        line=line) from None
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RuleError(f"string {value!r} holds a lone surrogate escape (not text)", file=file,
+                            line=line) from None
+    return value
