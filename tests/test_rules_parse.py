@@ -291,3 +291,9 @@ def test_self_referencing_anchor_huge_number_and_lone_surrogate(tmp_path):
     p = write(tmp_path, 'version: 1\nrules:\n  - match: {name: "\\ud800"}\n    replace: {op: keep}\n', name="sur.yaml")
     err = error_of(p)
     assert "surrogate" in str(err) and err.line == 3
+
+
+def test_regex_repeat_count_too_large(tmp_path):
+    p = write(tmp_path, "version: 1\nrules:\n  - match: {name: 'a{99999999999}'}\n    replace: {op: linear}\n")
+    err = error_of(p)
+    assert "invalid regular expression" in str(err) and "too large" in str(err) and err.line == 3

@@ -31,7 +31,7 @@ def compile_pattern(pattern: str, *, file: Optional[str] = None, line: Optional[
         raise RuleError(f"regular expression longer than {MAX_PATTERN} characters", file=file, line=line, key=key)
     try:
         parsed = _sre_parse.parse(pattern)
-    except re.error as exc:
+    except (re.error, OverflowError) as exc:      # OverflowError: a repeat count like a{99999999999}
         raise RuleError(f"invalid regular expression {pattern!r}: {exc}", file=file, line=line, key=key) from None
     problem = _hazard(parsed.data if hasattr(parsed, "data") else list(parsed), inside_repeat=False)
     if problem:
