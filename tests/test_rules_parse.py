@@ -297,3 +297,19 @@ def test_regex_repeat_count_too_large(tmp_path):
     p = write(tmp_path, "version: 1\nrules:\n  - match: {name: 'a{99999999999}'}\n    replace: {op: linear}\n")
     err = error_of(p)
     assert "invalid regular expression" in str(err) and "too large" in str(err) and err.line == 3
+
+
+def test_rule_paths_that_are_directories_or_unreadable(tmp_path):
+    """A directory is named as one; a command-line path is not reported as key 'include'; a name too
+    long for the file system or a '~user' of no user is a RuleError, not an OSError or RuntimeError."""
+    (tmp_path / "d.yaml").mkdir()
+    for ref in (str(tmp_path), str(tmp_path / "d.yaml")):
+        err = error_of(ref)
+        assert str(err) == f"{ref!r} is a directory, not a rule file" and err.key is None
+    err = error_of(str(tmp_path / "nothere.yaml"))
+    assert "not found" in str(err) and "include" not in str(err)
+    err = error_of(write(tmp_path, "version: 1\ninclude: [d.yaml]\n"))
+    assert "is a directory" in str(err) and err.key == "include" and err.line == 2
+    for i, ref in enumerate(["a" * 1000 + ".yaml", "b" * 1000, "~no-such-user-here/x.yaml"]):
+        err = error_of(write(tmp_path, f"version: 1\ninclude: ['{ref}']\n", name=f"i{i}.yaml"))
+        assert err.key == "include" and err.line == 2 and ref[:20] in str(err)

@@ -40,21 +40,33 @@ def pack_names() -> list[str]:
 
 
 def resolve(ref: str, base: Optional[Path] = None, *, file: Optional[str] = None,
-            line: Optional[int] = None, key: str = "include") -> Path:
+            line: Optional[int] = None, key: Optional[str] = "include") -> Path:
     """A path (has a '/' or ends in .yaml/.yml, relative to `base`) or the name of a shipped pack."""
+    def is_file(p: Path) -> bool:
+        try:
+            if p.is_dir():
+                raise RuleError(f"{ref!r} is a directory, not a rule file", file=file, line=line, key=key)
+            return p.is_file()
+        except OSError as exc:                      # e.g. a name too long for the file system
+            raise RuleError(f"rule file {ref!r} cannot be read: {exc.strerror or exc}", file=file, line=line,
+                            key=key) from None
+
     looks_like_path = "/" in ref or "\\" in ref or ref.endswith((".yaml", ".yml"))
     if looks_like_path:
-        p = Path(ref).expanduser()
+        try:
+            p = Path(ref).expanduser()
+        except RuntimeError as exc:                 # '~user/...' of an unknown user
+            raise RuleError(f"rule file {ref!r}: {exc}", file=file, line=line, key=key) from None
         if not p.is_absolute() and base is not None:
             p = base / p
-        if not p.is_file():
+        if not is_file(p):
             raise RuleError(f"rule file {ref!r} not found", file=file, line=line, key=key)
         return p.resolve()
     pack = packs_dir() / f"{ref}.yaml"
-    if pack.is_file():
+    if is_file(pack):
         return pack.resolve()
     local = (base or Path.cwd()) / ref
-    if local.is_file():
+    if is_file(local):
         return local.resolve()
     raise RuleError(f"{ref!r} is neither a rule file nor a shipped pack", file=file, line=line, key=key,
                     allowed=pack_names())
@@ -67,7 +79,7 @@ def load_rules(paths_or_pack_names: Union[PathLike, Iterable[PathLike], RuleSet]
     refs = [paths_or_pack_names] if isinstance(paths_or_pack_names, (str, Path)) else list(paths_or_pack_names)
     if not refs:
         raise RuleError("no rule files given")
-    parts = [_load_file(resolve(str(r)), ()) for r in refs]
+    parts = [_load_file(resolve(str(r), key=None), ()) for r in refs]
     return _compose(RuleSet(), parts)
 
 
