@@ -127,3 +127,21 @@ def test_experts_table_prints_the_tile_probe(capsys):
     out = capsys.readouterr().out
     assert "q4_k batch 512, 16 threads: AMX tile probe" in out and "12.5 before, 12.7 after, range 4.2-14.8" in out
     assert out.count("AMX tile probe") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch", ""], "--batch must be"), (["--batch", "99999999999999999999"], "--batch must be"),
+    (["--hidden", "0"], "--hidden must be >= 1"), (["--inter", "-5"], "--inter must be >= 1"),
+    (["--topk", "-1"], "--topk must be in 1..8"), (["--topk", "0"], "--topk must be in 1..8"),
+    (["--hidden", "100"], "--hidden 100 is not a multiple of the q8_0 block (32 values)"),
+    (["--threads", ""], "--threads must be"), (["--gib", "nan"], "--gib must be > 0"),
+    (["--probe-gib", "-1"], "--probe-gib must be > 0"), (["--seconds", "nan"], "--seconds must be >= 0"),
+    (["--isa", "bogus"], "--isa 'bogus' is not an ISA path"),
+    (["--hidden", "1048576", "--inter", "1048576"], "more than the"),
+])
+def test_bench_experts_bad_flags_are_one_message(capsys, flags, message):
+    """Each bad flag is named before anything is allocated: no ZeroDivisionError, no torch or
+    OverflowError traceback, no message about $KTINJECT_ISA for --isa."""
+    assert main(["bench", "experts", *TINY, "--quant", "q8_0", "--threads", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err.replace("\n", " ") and "Traceback" not in err

@@ -134,6 +134,45 @@ def down_type(qt, inter: int):
     return {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q8_0, QT.Q6_K: QT.Q8_0}.get(qt, QT.Q8_0)
 
 
+MAX_BATCH = 1 << 16
+
+
+def _check_experts_flags(args, quants, batches, threads_list) -> None:
+    """Every flag of `bench experts` checked before anything is allocated: one message naming the flag."""
+    import math
+
+    from gguf import GGML_QUANT_SIZES
+
+    from .. import native
+    from ..sysmem import memory_total_available
+    from ._common import human_bytes
+    E, H, I, k = args.experts, args.hidden, args.inter, args.topk
+    checks = (("--hidden", H, H >= 1, ">= 1"), ("--inter", I, I >= 1, ">= 1"), ("--experts", E, E >= 1, ">= 1"),
+              ("--topk", k, 1 <= k <= max(E, 1), f"in 1..{E} (--experts)"),
+              ("--batch", args.batch, bool(batches) and all(1 <= b <= MAX_BATCH for b in batches),
+               f"integers in 1..{MAX_BATCH}"),
+              ("--threads", args.threads, bool(threads_list), "one or more integers"),
+              ("--gib", args.gib, math.isfinite(args.gib) and args.gib > 0, "> 0"),
+              ("--probe-gib", args.probe_gib, math.isfinite(args.probe_gib) and args.probe_gib > 0, "> 0"),
+              ("--seconds", args.seconds, math.isfinite(args.seconds) and args.seconds >= 0, ">= 0"))
+    for flag, value, ok, want in checks:
+        if not ok:
+            raise KtInjectError(f"{flag} must be {want}, got {value!r}")
+    if args.isa is not None and args.isa not in native.ISAS:
+        raise KtInjectError(f"--isa {args.isa!r} is not an ISA path (allowed: {', '.join(native.ISAS)})")
+    _, avail = memory_total_available()
+    for qt in quants:
+        dqt = down_type(qt, I)
+        (bs, ts), (dbs, dts) = GGML_QUANT_SIZES[qt], GGML_QUANT_SIZES[dqt]
+        for flag, n, t, b in (("--hidden", H, qt, bs), ("--inter", I, dqt, dbs)):
+            if n % b:
+                raise KtInjectError(f"{flag} {n} is not a multiple of the {t.name.lower()} block ({b} values)")
+        layer = 2 * E * I * (H // bs * ts) + E * H * (I // dbs * dts)
+        if avail and layer > avail:
+            raise KtInjectError(f"one layer of --experts {E} x --hidden {H} x --inter {I} in {qt.name.lower()} "
+                                f"is {human_bytes(layer)}, more than the {human_bytes(avail)} of memory available")
+
+
 def bench_experts(args) -> int:
     import torch
     from .. import native
@@ -148,8 +187,7 @@ def bench_experts(args) -> int:
         raise KtInjectError(str(exc)) from None
     batches, threads_list = _ints(args.batch), _ints(args.threads)
     E, H, I, k = args.experts, args.hidden, args.inter, args.topk
-    if k > E or min(batches) < 1:
-        raise KtInjectError("need 1 <= topk <= experts and batch >= 1")
+    _check_experts_flags(args, quants, batches, threads_list)
     isa_name = native.ISAS[native.isa_index(args.isa)]
     if args.trace:
         os.environ["KTINJECT_POOL_TRACE"] = "1"          # read when a pool is created
