@@ -82,3 +82,7 @@ class NativeError(KtInjectError):
 
 class ModelError(KtInjectError):
     """The model architecture or configuration is not supported or is inconsistent."""
+
+
+class GenerationError(KtInjectError):
+    """A generation's arguments cannot be carried out (its caches do not fit, say)."""

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .boundaries import cuda_index
-from .errors import ModelError
+from .errors import GenerationError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -210,16 +210,37 @@ def _make_cache(model, length: int, batch: int, device: torch.device, static: bo
     (Running without a transformers cache would spare them too, but then transformers 5 checks
     the positions for packed sequences, a host sync that breaks CUDA-graph capture.)"""
     from transformers import DynamicCache, StaticCache
-    for mod in _own_caches(model):
-        mod.reserve(batch, length)
-    if static:
-        try:
-            cache = StaticCache(config=model.config, max_cache_len=length)
-            cache.ktinject_explicit_positions = True   # see _make_cache's docstring
-            return cache, "static"
-        except Exception as exc:           # an architecture transformers cannot size statically
-            log.warning("static cache unavailable (%s); using a dynamic cache", exc)
+    if length > MAX_CACHE_POSITIONS:
+        raise GenerationError(f"a generation of {length} positions (the prompt plus max_new_tokens) is past the "
+                              f"{MAX_CACHE_POSITIONS} a cache can index: lower max_new_tokens")
+    try:
+        for mod in _own_caches(model):
+            mod.reserve(batch, length)
+        if static:
+            try:
+                cache = StaticCache(config=model.config, max_cache_len=length)
+                cache.ktinject_explicit_positions = True   # see _make_cache's docstring
+                return cache, "static"
+            except Exception as exc:       # an architecture transformers cannot size statically
+                if _out_of_memory(exc):
+                    raise
+                log.warning("static cache unavailable (%s); using a dynamic cache", exc)
+    except Exception as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise GenerationError(f"the caches of a generation of {length} positions (the prompt plus max_new_tokens) "
+                              f"do not fit in memory ({first[:160]}): lower max_new_tokens") from None
     return DynamicCache(config=model.config), "dynamic"
+
+
+MAX_CACHE_POSITIONS = (1 << 31) - 1       # positions are indexed with 32-bit integers in places
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation that failed (torch's CPU and CUDA allocators, Python's)."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 class _Stepper:

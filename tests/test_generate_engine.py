@@ -279,3 +279,35 @@ def test_calls_outside_the_kept_cache_do_not_spoil_it_for_mla():
     release_generation(ours)
     assert ours._ktinject_session is None and ours.model.layers[0].self_attn.kv_cache is None
     assert generate(ours, tok, "abc", max_new_tokens=6).token_ids == reference_greedy(model, tok, "abc", 6)
+
+
+def test_caches_past_memory_or_indexing_are_one_error_naming_max_new_tokens(monkeypatch):
+    """An absurd max_new_tokens is a GenerationError that names it, not an allocator's traceback: past
+    what a cache can index (no allocation tried), or an allocation that fails (the operators' own caches:
+    MLA's latent cache here; or transformers' static cache)."""
+    from transformers import cache_utils
+
+    from ktinject.errors import GenerationError
+    from ktinject.operators.mla_attention import MLAAttention
+    model = with_mla(build_tiny("deepseek_v2"))
+    tok = byte_tokenizer(model.config.vocab_size)
+    with pytest.raises(GenerationError, match="past the 2147483647 a cache can index: lower max_new_tokens"):
+        generate(model, tok, PROMPT, max_new_tokens=10 ** 20)
+
+    def no_room(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
+                           "to allocate 480000163840 bytes")
+    with monkeypatch.context() as m:
+        m.setattr(MLAAttention, "reserve", no_room)
+        with pytest.raises(GenerationError, match=r"do not fit in memory \(\[enforce fail.*lower max_new_tokens"):
+            generate(model, tok, PROMPT, max_new_tokens=8)
+    plain = build_tiny("qwen3_moe")                     # no operator caches: transformers' StaticCache allocates
+    with monkeypatch.context() as m:
+        m.setattr(cache_utils.StaticCache, "__init__", no_room)
+        with pytest.raises(GenerationError, match="do not fit in memory"):
+            generate(plain, byte_tokenizer(plain.config.vocab_size), PROMPT, max_new_tokens=8)
+    # any other failure of the static cache still falls back to a dynamic one
+    with monkeypatch.context() as m:
+        m.setattr(cache_utils.StaticCache, "__init__", lambda *a, **k: (_ for _ in ()).throw(ValueError("no")))
+        assert generate(plain, byte_tokenizer(plain.config.vocab_size), PROMPT, max_new_tokens=4).cache == "dynamic"
+    assert generate(model, tok, PROMPT, max_new_tokens=4).token_ids     # the model still generates afterwards

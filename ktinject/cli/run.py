@@ -31,10 +31,12 @@ def run(args) -> int:
     path, model, tokenizer = load_for_cli(args, console)
     console.print(f"[dim]loaded {path} in {time.perf_counter() - t0:.1f} s[/]", highlight=False)
     console.print(args.prompt, end="", markup=False, highlight=False, style="bold")
-    result = generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop, **opts,
-                      on_text=lambda piece: console.print(piece.translate(_UNPRINTABLE), end="", markup=False,
-                                                          highlight=False, soft_wrap=True))
-    console.print()
+    try:
+        result = generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop, **opts,
+                          on_text=lambda piece: console.print(piece.translate(_UNPRINTABLE), end="", markup=False,
+                                                              highlight=False, soft_wrap=True))
+    finally:
+        console.print()                   # end the streamed line (before an error's message too)
     console.print(f"[dim]prefill:[/] {result.prompt_tokens} tokens, {result.prefill_tokens_per_s:.1f} tok/s   "
                   f"[dim]decode:[/] {len(result.token_ids)} tokens, {result.decode_tokens_per_s:.1f} tok/s   "
                   f"[dim]stop:[/] {result.stop_reason}", highlight=False)
