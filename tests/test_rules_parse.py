@@ -313,3 +313,18 @@ def test_rule_paths_that_are_directories_or_unreadable(tmp_path):
     for i, ref in enumerate(["a" * 1000 + ".yaml", "b" * 1000, "~no-such-user-here/x.yaml"]):
         err = error_of(write(tmp_path, f"version: 1\ninclude: ['{ref}']\n", name=f"i{i}.yaml"))
         assert err.key == "include" and err.line == 2 and ref[:20] in str(err)
+
+
+def test_patterns_end_at_the_end_of_the_string(tmp_path):
+    """The schema's `$` is ECMA-262's (the end of the string), not Python's (also before a final newline):
+    a device, op, class or kwarg name with a trailing newline is refused, naming its line and key."""
+    cases = [('rules:\n  - match: {name: x}\n    replace: {op: linear, device: "cuda:0\\n"}\n', 3, "rules[0].replace.device"),
+             ('rules:\n  - match: {name: x}\n    replace: {op: "linear\\n"}\n', 3, "rules[0].replace.op"),
+             ('rules:\n  - match: {name: x, class: "Linear\\n"}\n    replace: {op: linear}\n', 2, "rules[0].match.class"),
+             ('rules:\n  - match: {name: x}\n    replace: {op: linear, kwargs: {"bits\\n": 4}}\n', 3,
+              "rules[0].replace.kwargs")]
+    for body, line, key in cases:
+        err = error_of(write(tmp_path, "version: 1\n" + body))
+        assert err.line == line + 1 and err.key == key, (body, err)
+    assert load_rules(write(tmp_path, 'version: 1\nrules:\n  - match: {name: x}\n'
+                                      '    replace: {op: linear, device: "cuda:0"}\n')).rules

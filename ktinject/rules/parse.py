@@ -12,6 +12,7 @@ rewrites the devices of everything it composed (own rules and included ones).
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -134,8 +135,21 @@ def _compose(own: RuleSet, includes: list[RuleSet]) -> RuleSet:
 
 # ---------------------------------------------------------------- schema errors -> file:line:key
 
+def _pattern_to_the_end(validator, pattern: str, instance: Any, schema: dict):
+    """JSON Schema's `pattern` keyword with ECMA-262's `$`: the end of the string. Python's `$` also
+    matches before a final newline, so `device: "cuda:0\\n"` passed `^(cpu|cuda(:[0-9]{1,3})?)$`."""
+    if not validator.is_type(instance, "string"):
+        return
+    rx = pattern[:-1] + r"\Z" if pattern.endswith("$") and not pattern.endswith(r"\$") else pattern
+    if not re.search(rx, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _pattern_to_the_end})
+
+
 def _validate_schema(data: LDict, file: str) -> None:
-    validator = jsonschema.Draft202012Validator(_schema())
+    validator = _Validator(_schema())
     errors = list(validator.iter_errors(data))
     if not errors:
         return
