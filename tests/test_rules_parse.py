@@ -328,3 +328,22 @@ def test_patterns_end_at_the_end_of_the_string(tmp_path):
         assert err.line == line + 1 and err.key == key, (body, err)
     assert load_rules(write(tmp_path, 'version: 1\nrules:\n  - match: {name: x}\n'
                                       '    replace: {op: linear, device: "cuda:0"}\n')).rules
+
+
+def test_schema_limits_and_alternatives_are_plain_messages(tmp_path):
+    """Size limits say the size and the limit (not the whole list back); a value of neither alternative
+    says what was expected; a list of the right type names its bad item."""
+    rule = "version: 1\nrules:\n  - match: {{name: {name}{cls}}}\n    replace: {{op: linear{kw}}}\n"
+    cases = [(rule.format(name="x", cls=", class: 5", kw=""), "rules[0].match.class",
+              "invalid value 5: expected a string or a list"),
+             (rule.format(name="x", cls=", class: [1]", kw=""), "rules[0].match.class[0]", "expected a string, got int"),
+             (rule.format(name="x", cls=", class: []", kw=""), "rules[0].match.class", "0 items, at least 1 allowed"),
+             (rule.format(name="''", cls="", kw=""), "rules[0].match.name", "must not be empty"),
+             (rule.format(name="a" * 600, cls="", kw=""), "rules[0].match.name",
+              "a string of 600 characters, at most 512 allowed"),
+             (rule.format(name="x", cls="", kw=", kwargs: {" + ", ".join(f"k{i}: 1" for i in range(70)) + "}"),
+              "rules[0].replace.kwargs", "70 keys, at most 64 allowed"),
+             ("version: 1\ninclude: [" + ", ".join(["a"] * 40) + "]\n", "include", "40 items, at most 32 allowed")]
+    for text, key, message in cases:
+        err = error_of(write(tmp_path, text))
+        assert err.key == key and message in str(err) and len(str(err)) < 400, (text[:80], str(err))

@@ -202,7 +202,34 @@ def _schema_error(err: jsonschema.ValidationError, data: LDict, file: str) -> Ru
     if kind == "type":
         return RuleError(f"expected {_type_words(err.validator_value)}, got {type(err.instance).__name__}",
                          file=file, line=line, key=key)
+    limit = err.validator_value
+    if kind in ("maxItems", "minItems", "maxProperties"):
+        what = "keys" if kind == "maxProperties" else "items"
+        return RuleError(f"{len(err.instance)} {what}, {'at most' if kind.startswith('max') else 'at least'} {limit} "
+                         f"allowed", file=file, line=line, key=key)
+    if kind == "minLength" and limit == 1:
+        return RuleError("must not be empty", file=file, line=line, key=key)
+    if kind in ("maxLength", "minLength"):
+        return RuleError(f"a string of {len(err.instance)} characters, {'at most' if kind == 'maxLength' else 'at least'}"
+                         f" {limit} allowed", file=file, line=line, key=key)
+    if kind in ("oneOf", "anyOf"):
+        inner = [e for e in err.context if e.validator != "type" or e.relative_path]
+        if inner:                          # the value has one alternative's type: what is wrong inside it
+            return _schema_error(jsonschema.exceptions.best_match(inner), data, file)
+        types = []
+        for sub in limit:
+            if "$ref" in sub:
+                sub = _schema()["$defs"].get(sub["$ref"].rsplit("/", 1)[-1], sub)
+            t = sub.get("type")
+            types += t if isinstance(t, list) else [t] if t else []
+        return RuleError(f"invalid value {_short(err.instance)}: expected {_type_words(list(dict.fromkeys(types)))}",
+                         file=file, line=line, key=key)
     return RuleError(err.message, file=file, line=line, key=key)
+
+
+def _short(value: Any, n: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 _PATTERN_HINTS = {
