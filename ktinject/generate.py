@@ -202,6 +202,11 @@ def _rewind(cache: Any, length: int) -> None:
             cl.fill_(length)
 
 
+# refused before anything is allocated: far past any model's context, and much larger sizes overflow torch's size
+# arguments (`ktinject run -n 10**20` was a C++ frame dump, not an out-of-memory error)
+MAX_CACHE_POSITIONS = (1 << 31) - 1
+
+
 def _make_cache(model, length: int, batch: int, device: torch.device, static: bool):
     """The transformers cache of a generation. A static one is marked
     `ktinject_explicit_positions`: the engine passes every position and rewinds the cache's own
@@ -209,32 +214,41 @@ def _make_cache(model, length: int, batch: int, device: torch.device, static: bo
     one-value-per-token bookkeeping entries in it at decode (~5 kernels per layer and token).
     (Running without a transformers cache would spare them too, but then transformers 5 checks
     the positions for packed sequences, a host sync that breaks CUDA-graph capture.)"""
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache
     if length > MAX_CACHE_POSITIONS:
         raise GenerationError(f"a generation of {length} positions (the prompt plus max_new_tokens) is past the "
                               f"{MAX_CACHE_POSITIONS} a cache can index: lower max_new_tokens")
+    own = _own_caches(model)
     try:
-        for mod in _own_caches(model):
+        for mod in own:
             mod.reserve(batch, length)
-        if static:
-            try:
-                cache = StaticCache(config=model.config, max_cache_len=length)
-                cache.ktinject_explicit_positions = True   # see _make_cache's docstring
-                return cache, "static"
-            except Exception as exc:       # an architecture transformers cannot size statically
-                if _out_of_memory(exc):
-                    raise
-                log.warning("static cache unavailable (%s); using a dynamic cache", exc)
+        cache = _static_cache(model, length) if static else None
     except Exception as exc:
         if not _out_of_memory(exc):
             raise
+        for mod in own:                   # give back what the modules before the failing one reserved
+            mod.release()
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise GenerationError(f"the caches of a generation of {length} positions (the prompt plus max_new_tokens) "
                               f"do not fit in memory ({first[:160]}): lower max_new_tokens") from None
+    if cache is not None:
+        return cache, "static"
     return DynamicCache(config=model.config), "dynamic"
 
 
-MAX_CACHE_POSITIONS = (1 << 31) - 1       # positions are indexed with 32-bit integers in places
+def _static_cache(model, length: int):
+    """transformers' StaticCache of `length` positions, or None (a warning says why) for an architecture it
+    cannot size statically; an allocation that fails is raised."""
+    from transformers import StaticCache
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=length)
+    except Exception as exc:
+        if _out_of_memory(exc):
+            raise
+        log.warning("static cache unavailable (%s); using a dynamic cache", exc)
+        return None
+    cache.ktinject_explicit_positions = True       # see _make_cache's docstring
+    return cache
 
 
 def _out_of_memory(exc: BaseException) -> bool:

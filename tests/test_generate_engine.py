@@ -306,6 +306,11 @@ def test_caches_past_memory_or_indexing_are_one_error_naming_max_new_tokens(monk
         m.setattr(cache_utils.StaticCache, "__init__", no_room)
         with pytest.raises(GenerationError, match="do not fit in memory"):
             generate(plain, byte_tokenizer(plain.config.vocab_size), PROMPT, max_new_tokens=8)
+    with monkeypatch.context() as m:                # MLA's caches reserved, then the static cache fails:
+        m.setattr(cache_utils.StaticCache, "__init__", no_room)   # the reserved ones are given back
+        with pytest.raises(GenerationError, match="do not fit in memory"):
+            generate(model, tok, PROMPT, max_new_tokens=8)
+        assert all(m_.kv_cache is None for m_ in model.modules() if isinstance(m_, MLAAttention))
     # any other failure of the static cache still falls back to a dynamic one
     with monkeypatch.context() as m:
         m.setattr(cache_utils.StaticCache, "__init__", lambda *a, **k: (_ for _ in ()).throw(ValueError("no")))
