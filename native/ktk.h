@@ -97,6 +97,15 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
 int ktk_moe_sync(ktk_moe *m, ktk_pool *p);
 int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
                     const int64_t *ids, const float *w, float *out);
+/* `calls` layers back to back from the calling thread, as the doorbell dispatcher (hostjob.c)
+ * hands layers over in a hybrid decode: call i runs layer m[i % n] on routing (ids[i % nroutes],
+ * w[i % nroutes]), each [T, k], and posts call i + 1 as soon as call i is done. x: [T, hidden] f32,
+ * out: [T, hidden] f32, rewritten by every call. Every layer must have the same hidden size. The
+ * wall time of all calls goes to *seconds. KTK_OK, KTK_EINVAL, KTK_ERANGE (an expert id out of
+ * range; no layer ran) or the first failing call's code. */
+int ktk_moe_chain(ktk_moe **m, int64_t n, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
+                  const int64_t **ids, const float **w, int64_t nroutes, float *out, int64_t calls,
+                  double *seconds);
 
 /* ---- R16 layouts (r16.c): 16 rows interleaved block by block for the AVX-512 VNNI decode
  * kernels (Q4_K, Q5_0, Q8_0, Q6_K; layout in r16.c). A group of 16 rows takes 16 * row_bytes bytes.
@@ -155,8 +164,17 @@ int ktk_pool_trace(ktk_pool *p, double *out, int n);
  * threads that drive a GPU then never take a worker's core); returns their count, 0 = none. */
 int ktk_pool_pin_outside(ktk_pool *p);
 
-/* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ---- */
+/* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ----
+ * read_gbps allocates, fills and frees its buffer each call; a ktk_probe keeps one (`bytes`
+ * rounded down to 4 MiB chunks, at least one; filled by the workers at creation) for repeated
+ * passes, so the bench can measure the bandwidth beside each of its measurements. new: NULL when
+ * the memory is not there or the arguments are bad; pass: -1 on bad arguments. */
 double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps);
+typedef struct ktk_probe ktk_probe;
+ktk_probe *ktk_probe_new(ktk_pool *p, size_t bytes);
+void ktk_probe_free(ktk_probe *pr);
+size_t ktk_probe_bytes(const ktk_probe *pr);
+double ktk_probe_pass(ktk_probe *pr, ktk_pool *p, int isa, int reps);
 /* ---- tile-unit probe (AMX): us per 32 x 48 x 2048 bf16 tile GEMM, hot, for n items run by the
  * pool's workers (one each when n = threads) into us[0 .. n). KTK_OK, KTK_EINVAL, KTK_EISA (no
  * usable AMX), KTK_ENOMEM. */

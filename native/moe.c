@@ -23,6 +23,7 @@
 #include "ktk_int.h"
 #include <math.h>
 #include <stdlib.h>
+#include <time.h>
 
 #define RC 32
 #define DG 4   /* rows per multi-row dot call on the decode path (divides RC / 2) */
@@ -544,6 +545,32 @@ int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, cons
     int rc = ktk_moe_submit(m, p, isa, T, k, x, ids, w, out);
     if (rc) return rc;
     return ktk_moe_sync(m, p);
+}
+
+int ktk_moe_chain(ktk_moe **m, int64_t n, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
+                  const int64_t **ids, const float **w, int64_t nroutes, float *out, int64_t calls,
+                  double *seconds) {
+    if (!m || n < 1 || !p || T < 1 || k < 1 || !x || !ids || !w || nroutes < 1 || !out || calls < 1 || !seconds)
+        return KTK_EINVAL;
+    int64_t E = INT64_MAX;
+    for (int64_t i = 0; i < n; i++) {
+        if (!m[i] || m[i]->d.hidden != m[0]->d.hidden || m[i]->busy) return KTK_EINVAL;
+        if (m[i]->d.n_experts < E) E = m[i]->d.n_experts;
+    }
+    for (int64_t r = 0; r < nroutes; r++) {      /* every id against every layer, before any runs */
+        if (!ids[r] || !w[r]) return KTK_EINVAL;
+        for (int64_t i = 0; i < T * k; i++)
+            if (ids[r][i] < 0 || ids[r][i] >= E) return KTK_ERANGE;
+    }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int64_t c = 0; c < calls; c++) {
+        int rc = ktk_moe_forward(m[c % n], p, isa, T, k, x, ids[c % nroutes], w[c % nroutes], out);
+        if (rc) return rc;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    *seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    return KTK_OK;
 }
 
 int ktk_dequant_row_isa(int isa, int type, const uint8_t *src, float *dst, int64_t n) {

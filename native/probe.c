@@ -28,35 +28,60 @@ static double seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps) {
-    const ktk_kernels *K = ktk_kernels_for(isa);
-    if (!p || !K || reps < 1 || ktk_pool_threads(p) > 1024) return -1.0;
+struct ktk_probe {
+    probe_ctx c;
+    int64_t items;
+};
+
+ktk_probe *ktk_probe_new(ktk_pool *p, size_t bytes) {
+    if (!p || ktk_pool_threads(p) > 1024 || bytes > ((size_t)1 << 46)) return NULL;
     size_t nchunk = bytes / CHUNK;
     if (nchunk < 1) nchunk = 1;
-    probe_ctx *c = calloc(1, sizeof *c);
-    if (!c) return -1.0;
-    c->chunk = CHUNK; c->K = K;
-    c->buf = aligned_alloc(4096, nchunk * CHUNK);
-    if (!c->buf) { free(c); return -1.0; }
-    int64_t items = (int64_t)nchunk;
-    c->fill = 1;                                    /* first touch by the workers (NUMA-local) */
-    ktk_pool_run_async(p, probe_item, c, 1, &items);
+    ktk_probe *pr = calloc(1, sizeof *pr);
+    if (!pr) return NULL;
+    pr->c.chunk = CHUNK;
+    pr->c.buf = aligned_alloc(4096, nchunk * CHUNK);
+    if (!pr->c.buf) { free(pr); return NULL; }
+    pr->items = (int64_t)nchunk;
+    pr->c.fill = 1;                                 /* first touch by the workers (NUMA-local) */
+    if (ktk_pool_run_async(p, probe_item, &pr->c, 1, &pr->items) != KTK_OK) { ktk_probe_free(pr); return NULL; }
     ktk_pool_wait(p);
-    c->fill = 0;
+    pr->c.fill = 0;
+    return pr;
+}
+
+void ktk_probe_free(ktk_probe *pr) {
+    if (!pr) return;
+    free(pr->c.buf);
+    free(pr);
+}
+
+size_t ktk_probe_bytes(const ktk_probe *pr) { return pr ? (size_t)pr->items * CHUNK : 0; }
+
+double ktk_probe_pass(ktk_probe *pr, ktk_pool *p, int isa, int reps) {
+    const ktk_kernels *K = ktk_kernels_for(isa);
+    if (!pr || !p || !K || reps < 1 || ktk_pool_threads(p) > 1024) return -1.0;
+    pr->c.K = K;
     double best = 0.0;
     for (int r = 0; r < reps; r++) {
         double t0 = seconds();
-        ktk_pool_run_async(p, probe_item, c, 1, &items);
+        if (ktk_pool_run_async(p, probe_item, &pr->c, 1, &pr->items) != KTK_OK) return -1.0;
         ktk_pool_wait(p);
-        double dt = seconds() - t0;
-        double gbps = (double)(nchunk * CHUNK) / dt / 1e9;
+        double gbps = (double)ktk_probe_bytes(pr) / (seconds() - t0) / 1e9;
         if (gbps > best) best = gbps;
     }
     uint64_t s = 0;
-    for (int i = 0; i < ktk_pool_threads(p); i++) s ^= c->sink[(size_t)i * 8];
-    free(c->buf);
-    free(c);
+    for (int i = 0; i < ktk_pool_threads(p); i++) s ^= pr->c.sink[(size_t)i * 8];
     return s == 0x5a5a5a5a5a5a5a5aULL ? best + 1e-12 : best;   /* keep the reads observable */
+}
+
+double ktk_probe_read_gbps(ktk_pool *p, int isa, size_t bytes, int reps) {
+    if (!ktk_kernels_for(isa) || reps < 1) return -1.0;
+    ktk_probe *pr = ktk_probe_new(p, bytes);
+    if (!pr) return -1.0;
+    double best = ktk_probe_pass(pr, p, isa, reps);
+    ktk_probe_free(pr);
+    return best;
 }
 
 /* ---- the tile unit's speed, per worker: the prefill path's hot block GEMM, 32 rows x 48 tokens x

@@ -2,7 +2,7 @@
 # One batched device call (the lent H200 + 16-core Xeon): build the native library, run every
 # gpu-marked test, run the README's main job on CUDA, then synthesize real-shape GGUF models and
 # benchmark them end to end with `ktinject bench`. Logs and JSON results go to $OUT.
-# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [grouped] [chunkab] [fp8]
+# Usage, from the repo root: bash scripts/device_e2e.sh [tests] [gputests] [v2lite] [prefill] [qwen3] [layer] [profile] [decodeab] [convert] [twogpu] [twogpuprof] [cpulinear] [ab] [r16] [r16e2e] [r16sweep] [pool] [int4] [amx] [amxab] [amxtrace] [amxmode] [grouped] [decode] [chunkab] [fp8]
 set -o pipefail
 DEFAULT_OUT=e2e_out
 . scripts/device_env.sh
@@ -230,6 +230,20 @@ if [[ $steps == *" grouped "* ]]; then   # the 8-bit grouped (prefill) path on A
     --probe-gib 3 --seconds 2 --json 2>/dev/null | tee -a "$OUT/decode.jsonl" | python3 -c "import sys, json
 for l in sys.stdin:
     r = json.loads(l); print({k: r.get(k) for k in ('quant', 'threads', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction')})"
+fi
+if [[ $steps == *" decode "* ]]; then   # decode (batch 1) against the probe, each round beside its own probe pass:
+  # the two callers alternating at 16 threads (DECODE_ROUNDS times), then Q4_K over thread counts (native caller)
+  show() { python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l); print({k: r.get(k) for k in ('quant', 'threads', 'caller', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction', 'job_fraction')}, [x['fraction'] for x in r['rounds']])"; }
+  for i in $(seq ${DECODE_ROUNDS:-2}); do
+    for c in native python; do
+      timeout -s KILL 150 python3 -m ktinject bench experts --quant ${DECODE_QUANTS:-q4_k,q8_0,bf16} --batch 1 --threads 16 \
+        --gib 3 --probe-gib 3 --seconds 3 --rounds 6 --caller $c --json --trace 2>/dev/null | tee -a "$OUT/decode.jsonl" | show
+    done
+  done
+  timeout -s KILL 150 python3 -m ktinject bench experts --quant q4_k --batch 1 --threads ${DECODE_THREADS:-1,4,8,12,15,16} \
+    --gib 3 --probe-gib 3 --seconds 2 --rounds 4 --json --trace 2>/dev/null | tee -a "$OUT/decode_threads.jsonl" | show
 fi
 if [[ $steps == *" chunkab "* ]]; then   # prefill by chunk size (CPU experts on AMX convert every weight once per
   # chunk, so larger chunks amortize it), V2-Lite hybrid, alternating; CHUNKS: the sizes

@@ -16,8 +16,10 @@ TINY = ["--hidden", "256", "--inter", "256", "--experts", "8", "--topk", "2", "-
         "--probe-gib", "0.03", "--seconds", "0.05"]
 
 
-def test_bench_experts_json(capsys):
-    rc = main(["bench", "experts", *TINY, "--quant", "q4_k,bf16", "--batch", "1,20", "--threads", "2", "--json"])
+@pytest.mark.parametrize("caller", ["native", "python"])
+def test_bench_experts_json(capsys, caller):
+    rc = main(["bench", "experts", *TINY, "--quant", "q4_k,bf16", "--batch", "1,20", "--threads", "2", "--json",
+               "--caller", caller, "--rounds", "3"])
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(rows) == 4
@@ -25,9 +27,33 @@ def test_bench_experts_json(capsys):
         for key in ("quant", "batch", "threads", "gbps", "bandwidth_gbps", "fraction", "tokens_per_s",
                     "ms_per_layer", "tflops"):
             assert key in r
-        assert r["gbps"] > 0 and r["bandwidth_gbps"] > 0 and r["threads"] == 2
+        assert r["gbps"] > 0 and r["bandwidth_gbps"] > 0 and r["threads"] == 2 and r["caller"] == caller
         assert abs(r["fraction"] - r["gbps"] / r["bandwidth_gbps"]) < 0.01
+        # each round beside its own probe pass; the whole probe figure lies within theirs
+        assert len(r["rounds"]) == 3
+        bws = [x["bandwidth_gbps"] for x in r["rounds"]]
+        assert min(bws) - 0.01 <= r["bandwidth_gbps"] <= max(bws) + 0.01
+        for x in r["rounds"]:
+            assert x["gbps"] > 0 and abs(x["fraction"] - x["gbps"] / x["bandwidth_gbps"]) < 0.01
     assert {r["quant"] for r in rows} == {"q4_k", "bf16"} and {r["batch"] for r in rows} == {1, 20}
+
+
+def test_bench_rounds_bytes(monkeypatch):
+    """The bytes a round counts: the routings' distinct experts, cycled from the first routing,
+    whichever caller runs the calls."""
+    import argparse
+
+    from ktinject.cli.bench import _timed_calls
+    calls_seen = []
+
+    def fake_chain(kernels, x, routes, calls):
+        calls_seen.append(calls)
+        return 0.01, None
+    monkeypatch.setattr(native, "run_chain", fake_chain)
+    args = argparse.Namespace(seconds=0.05, rounds=1, caller="native")
+    el, calls, nbytes = _timed_calls(args, [object()] * 3, None, [None] * 4, [10, 20, 30, 40])
+    assert calls == sum(calls_seen) and calls_seen[0] == 3 and el >= 0.05
+    assert nbytes == sum(q * 100 + sum([10, 20, 30, 40][:r]) for q, r in [divmod(c, 4) for c in calls_seen])
 
 
 def test_bench_experts_trace_reports_the_job_apart(capsys, monkeypatch):
@@ -137,6 +163,7 @@ def test_experts_table_prints_the_tile_probe(capsys):
     (["--threads", ""], "--threads must be"), (["--gib", "nan"], "--gib must be > 0"),
     (["--probe-gib", "-1"], "--probe-gib must be > 0"), (["--seconds", "nan"], "--seconds must be >= 0"),
     (["--isa", "bogus"], "--isa 'bogus' is not an ISA path"),
+    (["--rounds", "0"], "--rounds must be in 1..1000"),
     (["--hidden", "1048576", "--inter", "1048576"], "more than the"),
 ])
 def test_bench_experts_bad_flags_are_one_message(capsys, flags, message):

@@ -5,7 +5,10 @@ the target: `experts`, or a model path.
 
 The weight set spans several GiB (layers are cycled) so that decode numbers measure memory,
 not the last-level cache; the denominator is a native streaming-read probe run in the same
-process with the same thread count (all threads, widest loads, best of several passes).
+process with the same thread count (all threads, widest loads, best of three passes), once
+beside each of `--rounds` slices of the time budget, since a shared host's bandwidth moves from
+one minute to the next. `--caller native` (the default) hands the layers to the pool from C, as
+the hybrid decode's doorbell thread does; `--caller python` calls `MoEKernel` from Python.
 """
 from __future__ import annotations
 
@@ -56,6 +59,13 @@ def add_arguments(p) -> None:
     g.add_argument("--probe-gib", type=float, default=4.0, help="bandwidth probe buffer in GiB (default 4; "
                    "also the model bench's)")
     g.add_argument("--seconds", type=float, default=1.0, help="time budget per configuration (default 1 s)")
+    g.add_argument("--caller", choices=("native", "python"), default="native",
+                   help="who hands the layers to the pool: 'native' (default) posts each layer from C as soon as "
+                        "the one before is done, as the hybrid decode's doorbell thread does; 'python' calls "
+                        "MoEKernel from Python each time, as the CPU-only path does")
+    g.add_argument("--rounds", type=int, default=5,
+                   help="the time budget is split into this many rounds, each measured beside its own pass of "
+                        "the bandwidth probe (default 5)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
                    "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts, "
@@ -154,7 +164,8 @@ def _check_experts_flags(args, quants, batches, threads_list) -> None:
               ("--threads", args.threads, bool(threads_list), "one or more integers"),
               ("--gib", args.gib, math.isfinite(args.gib) and args.gib > 0, "> 0"),
               ("--probe-gib", args.probe_gib, math.isfinite(args.probe_gib) and args.probe_gib > 0, "> 0"),
-              ("--seconds", args.seconds, math.isfinite(args.seconds) and args.seconds >= 0, ">= 0"))
+              ("--seconds", args.seconds, math.isfinite(args.seconds) and args.seconds >= 0, ">= 0"),
+              ("--rounds", args.rounds, 1 <= args.rounds <= 1000, "in 1..1000"))
     for flag, value, ok, want in checks:
         if not ok:
             raise KtInjectError(f"{flag} must be {want}, got {value!r}")
@@ -176,7 +187,7 @@ def _check_experts_flags(args, quants, batches, threads_list) -> None:
 def bench_experts(args) -> int:
     import torch
     from .. import native
-    from ..native import MoEKernel, Pool, probe_amx_gemm, probe_read_gbps
+    from ..native import MoEKernel, Pool, Probe, probe_amx_gemm
     from ..native.synth import parse_quant
     from ..testing import random_routing
     if not native.available():
@@ -192,47 +203,46 @@ def bench_experts(args) -> int:
     if args.trace:
         os.environ["KTINJECT_POOL_TRACE"] = "1"          # read when a pool is created
     rows = []
-    bw_cache: dict[int, float] = {}
     for qt in quants:
         dqt = down_type(qt, I)
         layers, layer_bytes = _make_layers(qt, dqt, E, H, I, args.gib)
         expert_bytes = layer_bytes // E
         for nth in threads_list:
             pool = Pool(nth)
-            if pool.threads not in bw_cache:
-                bw_cache[pool.threads] = probe_read_gbps(pool, int(args.probe_gib * GIB), reps=5, isa_name=args.isa)
-            bw = bw_cache[pool.threads]
+            probe = Probe(pool, int(args.probe_gib * GIB))
             kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa) for g, u, d in layers]
             for T in batches:
                 x = torch.randn(T, H)
                 routes = [random_routing(T, E, k, seed) for seed in range(4)]
+                route_bytes = [int(torch.unique(ids).numel()) * expert_bytes for ids, _ in routes]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
                 tiles_before = probe_amx_gemm(pool) if isa_name == "amx" else None
-                if args.trace:
-                    native.pool_trace(pool)                 # reset the sums (after the tile probe's own jobs)
-                n_calls, t0 = 0, time.perf_counter()
-                bytes_read = 0
-                while True:
-                    kern = kernels[n_calls % len(kernels)]
-                    ids, w = routes[n_calls % 4]
-                    kern(x, ids, w)
-                    bytes_read += int(torch.unique(ids).numel()) * expert_bytes if T > 1 else k * expert_bytes
-                    n_calls += 1
-                    el = time.perf_counter() - t0
-                    if el >= args.seconds and n_calls >= 2 * len(kernels) or n_calls >= 100000:
-                        break
+                rounds, traces = [], []
+                for _ in range(args.rounds):
+                    bw = probe.gbps(reps=3, isa_name=args.isa)
+                    if args.trace:
+                        native.pool_trace(pool)             # drop the probe's (and tile probe's) jobs
+                    rounds.append((bw, *_timed_calls(args, kernels, x, routes, route_bytes)))
+                    if args.trace:
+                        traces.append(native.pool_trace(pool) or {})
+                el = sum(r[1] for r in rounds)
+                n_calls = sum(r[2] for r in rounds)
+                bytes_read = sum(r[3] for r in rounds)
+                bw = sum(r[0] * r[1] for r in rounds) / el    # each probe pass weighted by the time it stood beside
                 ms = 1e3 * el / n_calls
                 gbps = bytes_read / el / 1e9
                 flops = 2.0 * 3 * H * I * T * k
                 row = {"quant": qt.name.lower(), "down_quant": dqt.name.lower(), "batch": T, "threads": pool.threads, "isa": isa_name,
-                       "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
+                       "caller": args.caller, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
                        "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
+                       "rounds": [{"bandwidth_gbps": round(b, 2), "gbps": round(nb / t / 1e9, 2),
+                                   "fraction": round(nb / t / 1e9 / b, 3)} for b, t, _, nb in rounds],
                        "tflops": round(flops / (ms / 1e3) / 1e12, 3), "layers": len(layers),
                        "weight_set_gib": round(len(layers) * layer_bytes / GIB, 2),
                        "shape": {"hidden": H, "inter": I, "experts": E, "topk": k}}
                 if args.trace:
-                    tr = row["trace_us"] = native.pool_trace(pool) or {}
+                    tr = row["trace_us"] = _merge_traces(traces)
                     if tr.get("done"):                      # the layer inside the pool's job: post to done
                         job_gbps = bytes_read / n_calls / (tr["done"] * 1e-6) / 1e9
                         row.update(job_ms=round(tr["done"] / 1e3, 4), job_gbps=round(job_gbps, 2),
@@ -243,10 +253,65 @@ def bench_experts(args) -> int:
                 if args.json:
                     sys.stdout.write(json.dumps(row) + "\n")     # machine-readable: one object per line
                     sys.stdout.flush()
-            del kernels, pool
+            del kernels, probe, pool
     if not args.json:
         _table(rows)
     return 0
+
+
+MAX_CALLS = 100000      # per round
+
+
+def _timed_calls(args, kernels, x, routes, route_bytes) -> tuple[float, int, int]:
+    """One round: layers called for `--seconds / --rounds` (and at least once each), cycling the
+    kernels and the four routings from the first of each. Returns (seconds, calls, bytes read)."""
+    budget = args.seconds / args.rounds
+    n = len(kernels)
+
+    def nbytes(calls: int) -> int:
+        q, r = divmod(calls, len(routes))
+        return q * sum(route_bytes) + sum(route_bytes[:r])
+
+    if args.caller == "native":                     # chains of native calls, longer until the budget is spent
+        from ..native import run_chain
+        el = total = read = 0
+        calls = n
+        while True:
+            dt, _ = run_chain(kernels, x, routes, calls)
+            el, total, read = el + dt, total + calls, read + nbytes(calls)
+            if el >= budget or total >= MAX_CALLS:
+                return el, total, read
+            calls = max(n, min(MAX_CALLS - total, int(calls * (budget - el) / max(dt, 1e-9)) + 1))
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        ids, w = routes[calls % 4]
+        kernels[calls % n](x, ids, w)
+        calls += 1
+        el = time.perf_counter() - t0
+        if el >= budget and calls >= n or calls >= MAX_CALLS:
+            return el, calls, nbytes(calls)
+
+
+def _merge_traces(traces: list[dict]) -> dict:
+    """The rounds' pool traces as one: per-job times weighted by each round's job count, counts
+    summed, the worst lateness kept."""
+    traces = [t for t in traces if t.get("jobs")]
+    if not traces:
+        return {}
+    jobs = sum(t["jobs"] for t in traces)
+    out = {"jobs": jobs}
+    for key in traces[0]:
+        if key in ("jobs", "late_jobs", "late_by", "last_worker_max"):
+            continue
+        out[key] = round(sum(t[key] * t["jobs"] for t in traces) / jobs, 1)
+    out["last_worker_max"] = max(t["last_worker_max"] for t in traces)
+    out["late_jobs"] = sum(t["late_jobs"] for t in traces)
+    late_by: dict = {}
+    for t in traces:
+        for w, c in t["late_by"].items():
+            late_by[w] = late_by.get(w, 0) + c
+    out["late_by"] = late_by
+    return out
 
 
 def _tile_probe(before: list[float], after: list[float]) -> dict:
@@ -262,14 +327,20 @@ def _table(rows) -> None:
     from rich.table import Table
     from . import console
     t = Table(title="routed-experts layer (native)")
-    for col in ("quant", "batch", "threads", "isa", "ms/layer", "tok/s", "GB/s", "probe GB/s", "fraction", "TFLOPS"):
+    for col in ("quant", "batch", "threads", "isa", "caller", "ms/layer", "tok/s", "GB/s", "probe GB/s", "fraction",
+                "TFLOPS"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["quant"], str(r["batch"]), str(r["threads"]), r["isa"], f"{r['ms_per_layer']:.3f}",
+        t.add_row(r["quant"], str(r["batch"]), str(r["threads"]), r["isa"], r.get("caller", ""), f"{r['ms_per_layer']:.3f}",
                   f"{r['tokens_per_s']:.0f}", f"{r['gbps']:.1f}", f"{r['bandwidth_gbps']:.1f}",
                   f"{r['fraction']:.2f}", f"{r['tflops']:.2f}")
     console.print(t)
     for r in rows:
+        if len(r.get("rounds", ())) > 1:
+            fr = [x["fraction"] for x in r["rounds"]]
+            bw = [x["bandwidth_gbps"] for x in r["rounds"]]
+            console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: {len(fr)} rounds, each beside its "
+                          f"own probe pass: probe {min(bw):.1f}-{max(bw):.1f} GB/s, fraction {min(fr):.2f}-{max(fr):.2f}")
         if "job_ms" in r:
             console.print(f"{r['quant']} batch {r['batch']}, {r['threads']} threads: inside the pool's job (post to done) "
                           f"{r['job_ms']:.3f} ms, {r['job_gbps']:.1f} GB/s, fraction {r['job_fraction']:.2f}; the rest "

@@ -350,6 +350,32 @@ def probe_read_gbps(pool: Pool, nbytes: int, reps: int = 5, isa_name: Optional[s
     return v
 
 
+class Probe:
+    """A read-bandwidth probe that keeps its buffer (`nbytes`, rounded down to 4 MiB chunks, at
+    least one; first touched by the pool's workers), so the bench can measure the memory's read
+    bandwidth beside each of its own measurements rather than once before them all: on a shared
+    host it moves by a third from one minute to the next (docs/benchmarks.md)."""
+
+    def __init__(self, pool: Pool, nbytes: int):
+        lib, ffi = load()
+        if int(nbytes) <= 0:
+            raise NativeError(f"bandwidth probe: a buffer of {nbytes} bytes")
+        ptr = lib.ktk_probe_new(pool.ptr, int(nbytes))
+        if ptr == ffi.NULL:
+            raise NativeError(f"bandwidth probe: could not allocate {int(nbytes) / 2**30:.2f} GiB")
+        self.pool = pool
+        self._ptr = ffi.gc(ptr, lib.ktk_probe_free)
+        self.nbytes = int(lib.ktk_probe_bytes(ptr))
+
+    def gbps(self, reps: int = 3, isa_name: Optional[str] = None) -> float:
+        """The best GB/s of `reps` full reads of the buffer by every worker of the pool."""
+        lib, _ = load()
+        v = float(lib.ktk_probe_pass(self._ptr, self.pool.ptr, isa_index(isa_name), int(reps)))
+        if v < 0:
+            raise NativeError(f"bandwidth probe failed (reps {reps})")
+        return v
+
+
 def probe_amx_gemm(pool: Pool) -> list[float]:
     """Microseconds per hot 32 x 48 x 2048 bf16 tile GEMM (the AMX prefill path's block), one
     timing per pool worker: the tile unit's speed at the moment, which on a shared host can move by
@@ -361,9 +387,9 @@ def probe_amx_gemm(pool: Pool) -> list[float]:
     return [float(buf[i]) for i in range(n)]
 
 
-from .moe import MoEKernel, ExpertMatrix, repack_r16, r16_dequant, r16_gemv, r16_row_bytes  # noqa: E402,F401  (needs the helpers above)
+from .moe import MoEKernel, ExpertMatrix, repack_r16, run_chain, r16_dequant, r16_gemv, r16_row_bytes  # noqa: E402,F401  (needs the helpers above)
 
-__all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "available", "check", "default_pool", "describe",
+__all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "Probe", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
-           "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes",
+           "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes", "run_chain",
            "usable_isas"]

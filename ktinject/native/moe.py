@@ -317,3 +317,45 @@ class MoEKernel:
         return self.sync()
 
     __call__ = forward
+
+
+def run_chain(kernels: list[MoEKernel], x: torch.Tensor, routes: list[tuple[torch.Tensor, torch.Tensor]],
+              calls: int) -> tuple[float, torch.Tensor]:
+    """Run `calls` layers back to back from native code, the way the hybrid decode's doorbell
+    dispatcher hands layers to the pool (no Python between one layer's end and the next's post):
+    call i runs `kernels[i % len(kernels)]` on `routes[i % len(routes)]` (ids, weights). The
+    kernels must share one pool and one ISA path. Returns the seconds all calls took and the
+    output of the last call. `ktinject bench experts --caller native` times layers this way."""
+    if not kernels or not routes:
+        raise NativeError("run_chain: needs at least one kernel and one routing")
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise NativeError(f"run_chain: calls must be a positive integer, got {calls!r}")
+    k0 = kernels[0]
+    for i, kern in enumerate(kernels):
+        if not isinstance(kern, MoEKernel):
+            raise NativeError(f"run_chain: kernels[{i}] is a {type(kern).__name__}, not a MoEKernel")
+        if kern.pool is not k0.pool or kern.isa != k0.isa or kern.hidden != k0.hidden:
+            raise NativeError(f"run_chain: kernels[{i}] differs from kernels[0] in pool, ISA path or hidden size")
+        if kern._inflight is not None:
+            raise NativeError(f"run_chain: kernels[{i}] has a submit() without sync()")
+    for ids, w in routes:
+        k0._check(x, ids, w)
+        if ids.shape != routes[0][0].shape:
+            raise NativeError(f"run_chain: routings of different shapes {list(routes[0][0].shape)} and {list(ids.shape)}")
+    T, k = routes[0][0].shape
+    if T < 1 or k < 1:
+        raise NativeError(f"run_chain: routings of shape {[T, k]}: needs at least one token and one expert")
+    lib, ffi = load()
+    out = torch.empty_like(x)
+    ptrs = ffi.new("ktk_moe *[]", [kern._ptr for kern in kernels])
+    idp = ffi.new("const int64_t *[]", [_ptr(ffi, ids, "int64_t *") for ids, _ in routes])
+    wp = ffi.new("const float *[]", [_ptr(ffi, w, "float *") for _, w in routes])
+    sec = ffi.new("double *")
+    rc = lib.ktk_moe_chain(ptrs, len(kernels), k0.pool.ptr, k0.isa, T, k, _ptr(ffi, x, "float *"), idp, wp,
+                           len(routes), _ptr(ffi, out, "float *"), int(calls), sec)
+    if rc == lib.KTK_ERANGE:
+        n_exp = min(kern.n_experts for kern in kernels)
+        bad = next(int(ids[(ids < 0) | (ids >= n_exp)][0]) for ids, _ in routes if ((ids < 0) | (ids >= n_exp)).any())
+        raise NativeError(f"top_k_index: expert id {bad} out of range [0, {n_exp})")
+    check(rc, "MoE chain")
+    return float(sec[0]), out

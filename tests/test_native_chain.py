@@ -1,0 +1,82 @@
+"""`native.run_chain` (layers posted back to back from C, the bench's default caller) and
+`native.Probe` (a bandwidth probe that keeps its buffer between passes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ktinject import native
+from ktinject.errors import NativeError
+from ktinject.testing import random_routing
+
+from test_native_util import moe_case, ref_moe, rel_err
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
+
+
+@pytest.fixture(scope="module")
+def layers():
+    pool = native.Pool(2)
+    cases = [moe_case(QT.Q4_K, QT.Q5_0, E=8, H=256, I=256, seed=s) for s in (0, 10, 20)]
+    return pool, [native.MoEKernel(*mats, pool=pool) for mats, _ in cases], [dense for _, dense in cases]
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("calls", [1, 2, 5, 7])
+def test_chain_gives_the_last_calls_layer(layers, T, calls):
+    """Call i runs layer i % 3 on routing i % 2: the output is that of the last call, bit for bit
+    what the same layer gives from Python, and close to the dense reference."""
+    pool, kernels, dense = layers
+    x = torch.randn(T, 256, generator=torch.Generator().manual_seed(T))
+    routes = [random_routing(T, 8, 2, seed) for seed in (1, 2)]
+    sec, out = native.run_chain(kernels, x, routes, calls)
+    assert sec > 0
+    last = calls - 1
+    ids, w = routes[last % 2]
+    assert torch.equal(out, kernels[last % 3](x, ids, w))
+    assert rel_err(out, ref_moe(x, ids, w, *dense[last % 3])) < 0.02
+
+
+def test_chain_checks_its_input(layers):
+    pool, kernels, _ = layers
+    x = torch.randn(1, 256)
+    ids, w = random_routing(1, 8, 2, 0)
+    bad = ids.clone()
+    bad[0, 1] = 8
+    with pytest.raises(NativeError, match=r"expert id 8 out of range \[0, 8\)"):
+        native.run_chain(kernels, x, [(ids, w), (bad, w)], 1)     # checked before any layer runs
+    with pytest.raises(NativeError, match="calls must be a positive integer"):
+        native.run_chain(kernels, x, [(ids, w)], 0)
+    with pytest.raises(NativeError, match="at least one kernel"):
+        native.run_chain([], x, [(ids, w)], 1)
+    with pytest.raises(NativeError, match=r"kernels\[1\] is a str"):
+        native.run_chain([kernels[0], "layer"], x, [(ids, w)], 1)
+    with pytest.raises(NativeError, match="hidden_states: dtype"):
+        native.run_chain(kernels, x.double(), [(ids, w)], 1)
+    with pytest.raises(NativeError, match="routings of different shapes"):
+        native.run_chain(kernels, torch.randn(1, 256), [(ids, w), random_routing(1, 8, 3, 0)], 1)
+    with pytest.raises(NativeError, match="at least one token"):
+        native.run_chain(kernels, torch.randn(0, 256), [(ids[:0], w[:0])], 1)
+    other = native.MoEKernel(*moe_case(QT.Q8_0, QT.Q8_0, E=8, H=256, I=256)[0], pool=native.Pool(1))
+    with pytest.raises(NativeError, match=r"kernels\[1\] differs from kernels\[0\] in pool"):
+        native.run_chain([kernels[0], other], x, [(ids, w)], 1)
+    kernels[0].submit(x, ids, w)
+    try:
+        with pytest.raises(NativeError, match="submit\\(\\) without sync"):
+            native.run_chain(kernels, x, [(ids, w)], 1)
+    finally:
+        kernels[0].sync()
+
+
+def test_probe_keeps_its_buffer():
+    pool = native.Pool(2)
+    probe = native.Probe(pool, (12 << 20) + 5)
+    assert probe.nbytes == 12 << 20                  # whole 4 MiB chunks
+    assert native.Probe(pool, 1).nbytes == 4 << 20   # at least one
+    a, b = probe.gbps(reps=2), probe.gbps(reps=1)
+    assert a > 0 and b > 0
+    with pytest.raises(NativeError, match="a buffer of 0 bytes"):
+        native.Probe(pool, 0)
+    with pytest.raises(NativeError, match="probe failed"):
+        probe.gbps(reps=0)
