@@ -202,6 +202,21 @@ int main(void) {
                     }
                 }
             if (!m || !mp) { fprintf(stderr, "R16 type %d: moe_new %d\n", t, err); fails++; }
+            if (m && mp && ti == 0) {   /* the chain: its call 2 is mp on routing 0 again; bad ids and counts refused */
+                ktk_moe *ms[2] = {mp, m};
+                int64_t badids[2] = {0, E};
+                const int64_t *idr[2] = {ids, ids}, *idb[2] = {ids, badids};
+                const float *wr[2] = {w, w};
+                double sec = 0;
+                if (ktk_moe_chain(ms, 2, pool, KTK_ISA_SCALAR, 1, k, x, idr, wr, 2, out, 3, &sec) || !(sec > 0) ||
+                    ktk_moe_forward(mp, pool, KTK_ISA_SCALAR, 1, k, x, ids, w, ref) ||
+                    memcmp(out, ref, (size_t)H * sizeof(float)) ||
+                    ktk_moe_chain(ms, 2, pool, KTK_ISA_SCALAR, 1, k, x, idb, wr, 2, out, 1, &sec) != KTK_ERANGE ||
+                    ktk_moe_chain(ms, 0, pool, KTK_ISA_SCALAR, 1, k, x, idr, wr, 2, out, 1, &sec) != KTK_EINVAL ||
+                    ktk_moe_chain(ms, 2, pool, KTK_ISA_SCALAR, 1, k, x, idr, wr, 2, out, 0, &sec) != KTK_EINVAL) {
+                    fprintf(stderr, "moe_chain\n"); fails++;
+                }
+            }
             ktk_moe_free(m); ktk_moe_free(mp);
             d.up_r16 = NULL;                              /* gate without up: refused */
             if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "R16 gate without up accepted\n"); fails++; }
@@ -217,6 +232,13 @@ int main(void) {
     }
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
     if (bw <= 0) fails++;
+    ktk_probe *pr = ktk_probe_new(pool, (8 << 20) + 3);   /* kept buffer: two whole chunks, passes reuse it */
+    if (!pr || ktk_probe_bytes(pr) != (8 << 20) || !(ktk_probe_pass(pr, pool, KTK_ISA_SCALAR, 2) > 0) ||
+        !(ktk_probe_pass(pr, pool, KTK_ISA_SCALAR, 1) > 0) || ktk_probe_pass(pr, pool, KTK_ISA_SCALAR, 0) != -1.0 ||
+        ktk_probe_new(NULL, 1 << 20) != NULL) {
+        fprintf(stderr, "probe object\n"); fails++;
+    }
+    ktk_probe_free(pr);
     ktk_pool_free(pool);
     printf("%s (%d failures)\n", fails ? "FAIL" : "OK", fails);
     return fails ? 1 : 0;

@@ -80,3 +80,16 @@ def test_probe_keeps_its_buffer():
         native.Probe(pool, 0)
     with pytest.raises(NativeError, match="probe failed"):
         probe.gbps(reps=0)
+
+
+def test_chain_runs_off_the_workers_cores_and_gives_its_cpus_back():
+    """With CPUs to spare the chain pins the calling thread outside the workers' cores while it
+    runs (as the doorbell thread does), and restores the thread's own affinity afterwards."""
+    import os
+    before = os.sched_getaffinity(0)
+    pool = native.Pool(1)
+    kern = native.MoEKernel(*moe_case(QT.Q8_0, QT.Q8_0, E=4, H=256, I=256)[0], pool=pool)
+    x = torch.randn(1, 256)
+    sec, out = native.run_chain([kern], x, [random_routing(1, 4, 2, 0)], 3)
+    assert sec > 0 and torch.isfinite(out).all()
+    assert os.sched_getaffinity(0) == before
