@@ -51,6 +51,10 @@ struct ktk_pool {
     /* trace (KTINJECT_POOL_TRACE): times of the current job, sums since the last read */
     int trace;
     long t_post, t_done, t_phase[MAX_PHASES];
+    /* the job whose t_done / t_phase[ph] is written, stored after the time (release): the waiter
+     * reads a time only once its stamp is the job's own (the worker that ends a phase or the job
+     * writes its time after others can already see the end) */
+    _Atomic uint32_t t_done_gen, t_phase_gen[MAX_PHASES];
     _Atomic long t_first, t_last;
     _Atomic int t_last_tid;             /* the worker that started last (the one that moved t_last) */
     double tr[10];                      /* see ktk_pool_trace */
@@ -113,7 +117,7 @@ static void mark_done(ktk_pool *p, uint32_t g) {
     uint32_t cur = atomic_load(&p->done);
     while ((int32_t)(g - cur) > 0) {
         if (atomic_compare_exchange_weak(&p->done, &cur, g)) {
-            if (p->trace) p->t_done = now_ns();
+            if (p->trace) { p->t_done = now_ns(); atomic_store_explicit(&p->t_done_gen, g, memory_order_release); }
             futex_wake(&p->done);
             return;
         }
@@ -129,7 +133,10 @@ static void run_job(ktk_pool *p, int tid, uint32_t g) {
             for (int64_t j = i; j < i + cnt; j++)
                 p->fn(p->ctx, ph, j, tid);      /* job g stays posted until these items are counted */
             int64_t c = atomic_fetch_add_explicit(&p->completed[ph], cnt, memory_order_acq_rel) + cnt;
-            if (p->trace && c == atomic_load_explicit(&p->items[ph], memory_order_relaxed)) p->t_phase[ph] = now_ns();
+            if (p->trace && c == atomic_load_explicit(&p->items[ph], memory_order_relaxed)) {
+                p->t_phase[ph] = now_ns();
+                atomic_store_explicit(&p->t_phase_gen[ph], g, memory_order_release);
+            }
         }
         if (i == -2) return;                    /* a newer job: nothing of g is left to do */
         /* the phase's items are all claimed: wait until they are all done (or g is over) */
@@ -305,17 +312,26 @@ int ktk_pool_wait(ktk_pool *p) {
         }
     }
     while ((d = atomic_load_explicit(&p->done, memory_order_acquire)) != g) futex_wait(&p->done, d);
-    atomic_store(&p->busy, 0);
     if (p->trace) {
         long t1 = now_ns();
+        int nphase = atomic_load(&p->nphase);
+        for (long spin = 0; spin < 1000000; spin++) {   /* the stamps follow the end by nanoseconds (bounded: trace only) */
+            int ok = atomic_load_explicit(&p->t_done_gen, memory_order_acquire) == g;
+            for (int ph = 0; ok && ph + 1 < nphase; ph++)
+                ok = atomic_load(&p->items[ph]) == 0 || atomic_load_explicit(&p->t_phase_gen[ph], memory_order_acquire) == g;
+            if (ok) break;
+            ktk_relax();
+        }
         p->tr[0] += 1;
         p->tr[1] += (atomic_load(&p->t_first) - p->t_post) / 1e3;
         p->tr[2] += (atomic_load(&p->t_last) - p->t_post) / 1e3;
         p->tr[3] += (p->t_done - p->t_post) / 1e3;
         p->tr[4] += (t1 - t0) / 1e3;
-        int nphase = atomic_load(&p->nphase);
-        for (int ph = 0; ph < 3; ph++)
-            p->tr[5 + ph] += ph + 1 < nphase ? (p->t_phase[ph] - p->t_post) / 1e3 : 0;
+        long end = p->t_post;                           /* a phase without items ends where the one before did */
+        for (int ph = 0; ph < 3; ph++) {
+            if (ph + 1 < nphase && atomic_load(&p->items[ph]) > 0) end = p->t_phase[ph];
+            p->tr[5 + ph] += ph + 1 < nphase ? (end - p->t_post) / 1e3 : 0;
+        }
         long late = atomic_load(&p->t_last) - p->t_post;
         if (late / 1e3 > p->tr[8]) p->tr[8] = late / 1e3;
         if (late >= LATE_NS) {
@@ -324,6 +340,7 @@ int ktk_pool_wait(ktk_pool *p) {
             if (tid >= 0 && tid < p->n) p->late_by[tid] += 1;
         }
     }
+    atomic_store(&p->busy, 0);
     return KTK_OK;
 }
 
