@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""In-kernel time against launch overhead for the one-row int4 GEMV of the small matrices.
+
+    python3 scripts/int4_ncu_small.py                      # graph-replay times (as int4_grid_probe)
+    NCU=1 ncu --csv --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+        --section Occupancy python3 scripts/int4_ncu_small.py   # each kernel twice, for the profiler
+
+Per shape (SHAPES, default 2048x2048,4096x4096): a plain read of the int4 bytes (Triton, 16 KB a
+program, 4 warps: the fastest config of int4_grid_probe's floor on these shapes), linear_int4's
+GEMV as it runs today, torch's tinygemm, and bf16 F.linear. Nsight Compute's gpu__time_duration is
+the kernel alone; the graph replay adds what launching it costs. Their difference per kernel says
+whether the gap to the plain read is inside the kernel or around it (seventeenth session).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ktinject.bench_gpu import L2_BYTES, graph_time, torch_int4  # noqa: E402
+from ktinject.operators.kernels import int4_pack as P  # noqa: E402
+from ktinject.operators.kernels.int4_triton import int4_gemv_tiled  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _plain_read(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(w_ptr + offs, mask=offs < n, other=0, eviction_policy="evict_first")
+    tl.store(out_ptr + tl.program_id(0), tl.sum(v, axis=0))
+
+
+def kernels(n: int, k: int):
+    """name -> (one call on weight copy i, number of copies), all on the same quantized weight."""
+    torch.manual_seed(0)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    nbytes = iw.qweight.numel() * 4 + iw.scales.numel() * 4
+    copies = max(1, -(-L2_BYTES // nbytes))
+    tiled = [P.tile(iw, 16) for _ in range(copies)]
+    words = [torch.ones(nbytes // 4, dtype=torch.int32, device="cuda") for _ in range(copies)]
+    block = 4096
+    grid = -(-(nbytes // 4) // block)
+    rd_out = torch.empty(grid, dtype=torch.int32, device="cuda")
+    tg = [torch_int4(iw, 128)[0] for _ in range(copies)]
+    wb = P.dequantize(iw, torch.bfloat16)
+    bfs = [wb.clone() for _ in range(max(1, -(-L2_BYTES // (n * k * 2))))]
+    out = {"read": ([lambda b=b: _plain_read[(grid,)](b, rd_out, nbytes // 4, BLOCK=block, num_warps=4) for b in words]),
+           "ours": [lambda w=w: int4_gemv_tiled(x, w) for w in tiled],
+           "bf16": [lambda w=w: F.linear(x, w) for w in bfs]}
+    if tg[0] is not None:
+        out["tinygemm"] = [lambda f=f: f(x) for f in tg]
+    return out
+
+
+def main() -> int:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "2048x2048,4096x4096").split(",")]
+    for n, k in shapes:
+        ks = kernels(n, k)
+        if os.environ.get("NCU"):
+            for name, calls in ks.items():
+                for _ in range(2):
+                    calls[0]()
+            torch.cuda.synchronize()
+            continue
+        line = [f"{n}x{k}:"]
+        for name, calls in ks.items():
+            line.append(f"{name} {graph_time(calls, 20) * 1e6:.2f} us")
+        print("  ".join(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
