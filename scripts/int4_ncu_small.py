@@ -2,7 +2,7 @@
 """In-kernel time against launch overhead for the one-row int4 GEMV of the small matrices.
 
     python3 scripts/int4_ncu_small.py                      # graph-replay times (as int4_grid_probe)
-    NCU=1 ncu --csv --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+    NCU=1 ncu --profile-from-start off --csv --section SpeedOfLight --section WarpStateStats --section LaunchStats \
         --section Occupancy python3 scripts/int4_ncu_small.py   # each kernel twice, for the profiler
 
 Per shape (SHAPES, default 2048x2048,4096x4096): a plain read of the int4 bytes (Triton, 16 KB a
@@ -41,7 +41,7 @@ def kernels(n: int, k: int):
     iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     nbytes = iw.qweight.numel() * 4 + iw.scales.numel() * 4
-    copies = max(1, -(-L2_BYTES // nbytes))
+    copies = 1 if os.environ.get("NCU") else max(1, -(-L2_BYTES // nbytes))
     tiled = [P.tile(iw, 16) for _ in range(copies)]
     words = [torch.ones(nbytes // 4, dtype=torch.int32, device="cuda") for _ in range(copies)]
     block = 4096
@@ -49,7 +49,7 @@ def kernels(n: int, k: int):
     rd_out = torch.empty(grid, dtype=torch.int32, device="cuda")
     tg = [torch_int4(iw, 128)[0] for _ in range(copies)]
     wb = P.dequantize(iw, torch.bfloat16)
-    bfs = [wb.clone() for _ in range(max(1, -(-L2_BYTES // (n * k * 2))))]
+    bfs = [wb.clone() for _ in range(1 if os.environ.get("NCU") else max(1, -(-L2_BYTES // (n * k * 2))))]
     out = {"read": ([lambda b=b: _plain_read[(grid,)](b, rd_out, nbytes // 4, BLOCK=block, num_warps=4) for b in words]),
            "ours": [lambda w=w: int4_gemv_tiled(x, w) for w in tiled],
            "bf16": [lambda w=w: F.linear(x, w) for w in bfs]}
@@ -62,11 +62,16 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "2048x2048,4096x4096").split(",")]
     for n, k in shapes:
         ks = kernels(n, k)
-        if os.environ.get("NCU"):
-            for name, calls in ks.items():
+        if os.environ.get("NCU"):                    # profile only these calls: ncu --profile-from-start off
+            for calls in ks.values():
+                calls[0]()                           # compiled and warm before the profiler starts
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            for calls in ks.values():
                 for _ in range(2):
                     calls[0]()
             torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
             continue
         line = [f"{n}x{k}:"]
         for name, calls in ks.items():
