@@ -2,6 +2,7 @@
 """In-kernel time against launch overhead for the one-row int4 GEMV of the small matrices.
 
     python3 scripts/int4_ncu_small.py                      # graph-replay times (as int4_grid_probe)
+    ROWS_SWEEP=1 python3 scripts/int4_ncu_small.py         # and mode rows over a few launch configs
     NCU=1 ncu --profile-from-start off --csv --section SpeedOfLight --section WarpStateStats --section LaunchStats \
         --section Occupancy python3 scripts/int4_ncu_small.py   # each kernel twice, for the profiler
 
@@ -77,6 +78,22 @@ def main() -> int:
         for name, calls in ks.items():
             line.append(f"{name} {graph_time(calls, 20) * 1e6:.2f} us")
         print("  ".join(line), flush=True)
+        if os.environ.get("ROWS_SWEEP"):                # mode rows over (rows a program, warps, tiles a chunk)
+            from ktinject.operators.kernels.int4_triton import TiledConfig
+            copies = [f.__defaults__[0] for f in ks["ours"]]      # the tiled weight copies (the lambdas' defaults)
+            tw = copies[0]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            found = []
+            for bn, warps, ct in ((8, 4, 16), (8, 4, 8), (8, 4, 32), (16, 4, 16), (16, 8, 16), (8, 2, 16), (4, 4, 16),
+                                  (16, 4, 8), (4, 2, 16), (8, 8, 16)):
+                cfg = TiledConfig("rows", bn, num_warps=warps, chunk=ct)
+                try:
+                    int4_gemv_tiled(x, tw, None, cfg)
+                    t = graph_time([lambda w=w: int4_gemv_tiled(x, w, None, cfg) for w in copies], 20)
+                    found.append((t, f"bn {bn} w {warps} ct {ct}"))
+                except Exception as exc:                 # noqa: BLE001  (a config that does not build here)
+                    found.append((float("inf"), f"bn {bn} w {warps} ct {ct}: {type(exc).__name__}"))
+            print("    rows: " + "; ".join(f"{name} {t * 1e6:.2f}" for t, name in sorted(found)), flush=True)
     return 0
 
 
