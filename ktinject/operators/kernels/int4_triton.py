@@ -549,53 +549,21 @@ if triton is not None:
     # the scale and min; per chunk the x slices are loaded once and shared by all rows.
 
     @triton.jit
-    def _xslice(xp, kb, offs_j, K, IDX: tl.constexpr, P: tl.constexpr, EVEN: tl.constexpr):
-        # x at inputs kb + IDX * P + j of each tile of the chunk: [CT, P] fp32
-        kx = kb[:, None] + IDX * P + offs_j[None, :]
-        return _xload(xp + kx, kx, K, EVEN).to(tl.float32)
-
-    @triton.jit
-    def _rows_step(w, xv, t, xs, xe, IDX: tl.constexpr, MLO, MHI, EXP):
-        # one nibble of every word against its x slice: t += (1 + q / C) C x; xs += x; xe += C x
-        f = _nibble(w, IDX, MLO, MHI, EXP)                                # [BN, CT, P] = 1 + q / C
-        e = xv * (16.0 + 240.0 * ((IDX + 1) % 2))                         # C x
-        return t + f * e[None, :, :], xs + xv, xe + e
-
-    @triton.jit
     def _rows_part(w, xp, kb, offs_j, s, mn, K, MLO, MHI, EXP, SG: tl.constexpr, SUB: tl.constexpr,
                    P: tl.constexpr, BLOCK_N: tl.constexpr, CT: tl.constexpr, EVEN: tl.constexpr):
         # sum over the chunk's tiles of x . w for one row of x, nibbles SG*SUB .. SG*SUB+SUB-1 (one group per
         # tile): [BLOCK_N]. kb: [CT] first input of each tile; s, mn: [BLOCK_N, CT] the group's scale and min.
-        # Every x slice of the part is loaded first: Triton moves each [CT, P] slice into the weights'
-        # layout through shared memory with block barriers, and with a slice loaded just before its
-        # use each barrier waited for that load, one L2 round trip per nibble, in sequence
-        # (seventeenth session, from the SASS). Loaded up front, the round trips overlap.
-        b: tl.constexpr = SG * SUB
-        x0 = _xslice(xp, kb, offs_j, K, b, P, EVEN)
-        if SUB > 1:
-            x1 = _xslice(xp, kb, offs_j, K, b + 1, P, EVEN)
-        if SUB > 2:
-            x2 = _xslice(xp, kb, offs_j, K, b + 2, P, EVEN)
-            x3 = _xslice(xp, kb, offs_j, K, b + 3, P, EVEN)
-        if SUB > 4:
-            x4 = _xslice(xp, kb, offs_j, K, b + 4, P, EVEN)
-            x5 = _xslice(xp, kb, offs_j, K, b + 5, P, EVEN)
-            x6 = _xslice(xp, kb, offs_j, K, b + 6, P, EVEN)
-            x7 = _xslice(xp, kb, offs_j, K, b + 7, P, EVEN)
         t = tl.zeros((BLOCK_N, CT, P), dtype=tl.float32)
         xs = tl.zeros((CT, P), dtype=tl.float32)
         xe = tl.zeros((CT, P), dtype=tl.float32)
-        t, xs, xe = _rows_step(w, x0, t, xs, xe, b, MLO, MHI, EXP)
-        if SUB > 1:
-            t, xs, xe = _rows_step(w, x1, t, xs, xe, b + 1, MLO, MHI, EXP)
-        if SUB > 2:
-            t, xs, xe = _rows_step(w, x2, t, xs, xe, b + 2, MLO, MHI, EXP)
-            t, xs, xe = _rows_step(w, x3, t, xs, xe, b + 3, MLO, MHI, EXP)
-        if SUB > 4:
-            t, xs, xe = _rows_step(w, x4, t, xs, xe, b + 4, MLO, MHI, EXP)
-            t, xs, xe = _rows_step(w, x5, t, xs, xe, b + 5, MLO, MHI, EXP)
-            t, xs, xe = _rows_step(w, x6, t, xs, xe, b + 6, MLO, MHI, EXP)
-            t, xs, xe = _rows_step(w, x7, t, xs, xe, b + 7, MLO, MHI, EXP)
+        for ii in tl.static_range(SUB):
+            f = _nibble(w, SG * SUB + ii, MLO, MHI, EXP)                  # [BN, CT, P] = 1 + q / C
+            kx = kb[:, None] + (SG * SUB + ii) * P + offs_j[None, :]      # [CT, P]
+            xv = _xload(xp + kx, kx, K, EVEN).to(tl.float32)
+            e = xv * (16.0 + 240.0 * ((SG * SUB + ii + 1) % 2))           # C x
+            t += f * e[None, :, :]
+            xs += xv
+            xe += e
         # sum_k x (q s + m) = s (sum f C x - sum C x) + m sum x, per (row, tile)
         tg = tl.sum(t, axis=2)                                            # [BN, CT]
         return tl.sum(s * (tg - tl.sum(xe, axis=1)[None, :]) + mn * tl.sum(xs, axis=1)[None, :], axis=1)
