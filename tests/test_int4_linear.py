@@ -218,6 +218,7 @@ _INTERP_TILED = textwrap.dedent("""
              (3, 33, 768, 32, 16, C("rows", 8, chunk=2), torch.float16),
              (4, 40, 1024, -1, 32, C("rows", 16, chunk=8), torch.float32),
              (2, 40, 512, 128, 16, C("rows", 8, chunk=4), torch.bfloat16),
+             (1, 48, 512, 32, 32, C("rows", 8, chunk=2), torch.bfloat16),      # one nibble a group part
              (1, 24, 512, 128, 16, C("cuda", 8, num_warps=4, chunk=2), torch.float32)]
     for m, n, k, g, p, cfg, dt in cases:
         iw = P.quantize(torch.randn(n, k), g)
