@@ -415,6 +415,16 @@ def release_generation(model) -> None:
             m.release()
 
 
+def _warn_past_context(model, n_prompt: int, max_new_tokens: int) -> None:
+    """A warning when the prompt plus max_new_tokens runs past the model's `max_position_embeddings`:
+    allowed (a rope scaling the config does not state may still hold), but the text past it is
+    usually worse, and nothing else would say why."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < n_prompt + max_new_tokens:
+        log.warning("the prompt (%d tokens) plus max_new_tokens (%d) runs past the model's max_position_embeddings "
+                    "(%d): the text past position %d may degrade", n_prompt, max_new_tokens, limit, limit)
+
+
 def _session(model, needed: int, max_cache_len: Optional[int], device: torch.device, static: bool):
     """(cache, cache kind, stepper, session or None) for a call needing `needed` cache slots.
 
@@ -502,6 +512,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     n_prompt = ids.shape[1]
     if n_prompt == 0:
         raise ValueError("empty prompt")
+    _warn_past_context(model, n_prompt, max_new_tokens)
     cache, cache_kind, stepper, session = _session(model, n_prompt + max_new_tokens + 1, max_cache_len, device,
                                                    static_cache)
     if session is None:

@@ -316,3 +316,21 @@ def test_caches_past_memory_or_indexing_are_one_error_naming_max_new_tokens(monk
         m.setattr(cache_utils.StaticCache, "__init__", lambda *a, **k: (_ for _ in ()).throw(ValueError("no")))
         assert generate(plain, byte_tokenizer(plain.config.vocab_size), PROMPT, max_new_tokens=4).cache == "dynamic"
     assert generate(model, tok, PROMPT, max_new_tokens=4).token_ids     # the model still generates afterwards
+
+
+def test_a_generation_past_the_context_is_allowed_with_a_warning(caplog):
+    """Past the config's max_position_embeddings the generation still runs (a rope scaling the config
+    does not state may hold), but a warning says where the text may degrade; within it, no warning."""
+    import logging
+    model = build_tiny("qwen3_moe")
+    tok = byte_tokenizer(model.config.vocab_size)
+    n_prompt = len(tok(PROMPT)["input_ids"])
+    model.config.max_position_embeddings = n_prompt + 3
+    with caplog.at_level(logging.WARNING, logger="ktinject.generate"):
+        assert len(generate(model, tok, PROMPT, max_new_tokens=3).token_ids) == 3
+    assert not [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="ktinject.generate"):
+        assert len(generate(model, tok, PROMPT, max_new_tokens=6).token_ids) == 6
+    msg = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert msg == [f"the prompt ({n_prompt} tokens) plus max_new_tokens (6) runs past the model's "
+                   f"max_position_embeddings ({n_prompt + 3}): the text past position {n_prompt + 3} may degrade"]
