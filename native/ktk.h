@@ -163,6 +163,11 @@ int ktk_pool_trace(ktk_pool *p, double *out, int n);
 /* Pin the calling thread to the CPUs of the pool's affinity mask that no worker uses (the
  * threads that drive a GPU then never take a worker's core); returns their count, 0 = none. */
 int ktk_pool_pin_outside(ktk_pool *p);
+/* Reorder cpus[0 .. n) so that each physical core comes once before any comes twice, per package:
+ * stable by (pkg[i], how many CPUs of the same (pkg, core) come before i). pkg and core are read by
+ * position in the order given; a negative one (unknown topology) leaves the order as it is. The
+ * pool does this to the CPUs of its affinity mask when it has fewer workers than CPUs. */
+void ktk_cpu_spread(int n, int *cpus, const int *pkg, const int *core);
 
 /* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ----
  * read_gbps allocates, fills and frees its buffer each call; a ktk_probe keeps one (`bytes`

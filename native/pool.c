@@ -197,6 +197,58 @@ static int count_numa_nodes(void) {
     return n > 0 ? n : 1;
 }
 
+void ktk_cpu_spread(int n, int *cpus, const int *pkg, const int *core) {
+    if (n < 2 || n > 4096 || !cpus || !pkg || !core) return;
+    for (int i = 0; i < n; i++)
+        if (pkg[i] < 0 || core[i] < 0) return;          /* topology unknown: keep the order */
+    int *rank = malloc((size_t)n * sizeof *rank), *idx = malloc((size_t)n * sizeof *idx),
+        *out = malloc((size_t)n * sizeof *out);
+    if (rank && idx && out) {
+        for (int i = 0; i < n; i++) {
+            rank[i] = 0;                                 /* siblings of its core before it in the order */
+            for (int j = 0; j < i; j++) rank[i] += pkg[j] == pkg[i] && core[j] == core[i];
+            idx[i] = i;
+        }
+        for (int i = 1; i < n; i++) {                    /* stable insertion sort by (package, rank) */
+            int v = idx[i], j = i - 1;
+            while (j >= 0 && (pkg[idx[j]] > pkg[v] || (pkg[idx[j]] == pkg[v] && rank[idx[j]] > rank[v]))) {
+                idx[j + 1] = idx[j];
+                j--;
+            }
+            idx[j + 1] = v;
+        }
+        for (int i = 0; i < n; i++) out[i] = cpus[idx[i]];
+        memcpy(cpus, out, (size_t)n * sizeof *cpus);
+    }
+    free(rank); free(idx); free(out);
+}
+
+static int topology_value(int cpu, const char *name) {
+    char path[96];
+    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/%s", cpu, name);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int v = -1;
+    if (fscanf(f, "%d", &v) != 1) v = -1;
+    fclose(f);
+    return v;
+}
+
+/* Workers go to one CPU of every physical core before the second hyperthread of any (per
+ * package), whatever the numbering: Linux numbers siblings (0, n/2) on most hosts, but a VM may
+ * number them (0, 1), and then 8 workers on the first 8 CPUs would share 4 cores. */
+static void spread_over_cores(int *cpus, int n) {
+    int *pkg = malloc((size_t)n * sizeof *pkg), *core = malloc((size_t)n * sizeof *core);
+    if (pkg && core) {
+        for (int i = 0; i < n; i++) {
+            pkg[i] = topology_value(cpus[i], "physical_package_id");
+            core[i] = topology_value(cpus[i], "core_id");
+        }
+        ktk_cpu_spread(n, cpus, pkg, core);
+    }
+    free(pkg); free(core);
+}
+
 ktk_pool *ktk_pool_new(int nthreads, int pin) {
     cpu_set_t set;
     int cpus[CPU_SETSIZE], ncpu = 0;
@@ -225,10 +277,13 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
     p->claim_n = s ? atol(s) : 1;
     if (p->claim_n < 1 || p->claim_n > 64) p->claim_n = 1;
     if (!p->th || !p->cpu || !p->scratch || !p->scratch_size || !p->late_by) { ktk_pool_free(p); return NULL; }
-    if (pin && nthreads < ncpu)
+    if (pin && nthreads < ncpu) {
+        spread_over_cores(cpus, ncpu);
         for (int c = nthreads; c < ncpu && p->nspare < 64; c++) p->spare[p->nspare++] = cpus[c];
+    }
     for (int i = 0; i < nthreads; i++) {
-        /* CPUs in affinity order: on several NUMA nodes the kernel numbers them node by node,
+        /* CPUs in affinity order, one per physical core first when there are more CPUs than
+         * workers (spread_over_cores); on several NUMA nodes the kernel numbers CPUs node by node,
          * so consecutive workers (which take consecutive expert rows) share a node. */
         p->cpu[i] = pin && nthreads <= ncpu ? cpus[i] : -1;
         struct worker_arg *wa = malloc(sizeof *wa);

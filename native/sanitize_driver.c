@@ -239,6 +239,15 @@ int main(void) {
         fprintf(stderr, "probe object\n"); fails++;
     }
     ktk_probe_free(pr);
+    {   /* the pool's CPU order: siblings numbered (0, 1) spread one per core first */
+        int cpus[8] = {0, 1, 2, 3, 4, 5, 6, 7}, pkg[8] = {0}, core[8] = {0, 0, 1, 1, 2, 2, 3, 3};
+        const int want[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+        ktk_cpu_spread(8, cpus, pkg, core);
+        if (memcmp(cpus, want, sizeof want)) { fprintf(stderr, "cpu_spread\n"); fails++; }
+        ktk_pool *half = ktk_pool_new(1, 1);          /* fewer workers than CPUs: the spread path */
+        if (!half) { fprintf(stderr, "pool of 1\n"); fails++; }
+        ktk_pool_free(half);
+    }
     ktk_pool_free(pool);
     printf("%s (%d failures)\n", fails ? "FAIL" : "OK", fails);
     return fails ? 1 : 0;

@@ -93,3 +93,19 @@ def test_chain_runs_off_the_workers_cores_and_gives_its_cpus_back():
     sec, out = native.run_chain([kern], x, [random_routing(1, 4, 2, 0)], 3)
     assert sec > 0 and torch.isfinite(out).all()
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("pkg, core, want", [
+    ([0] * 8, [0, 0, 1, 1, 2, 2, 3, 3], [0, 2, 4, 6, 1, 3, 5, 7]),      # siblings numbered (0, 1): a VM's way
+    ([0] * 8, [0, 1, 2, 3, 0, 1, 2, 3], list(range(8))),                # siblings (0, 4): already spread
+    ([0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0, 1, 1], [0, 2, 1, 3, 4, 6, 5, 7]),   # per package
+    ([0] * 8, [0, 0, 1, 1, -1, 2, 3, 3], list(range(8))),               # topology unknown: as given
+    ([0] * 6, [0, 1, 2, 3, 4, 5], list(range(6))),                      # no hyperthreads
+])
+def test_workers_go_one_per_core_first(pkg, core, want):
+    """The pool's CPU order (with fewer workers than CPUs): each physical core once before any twice."""
+    lib, ffi = native.load()
+    cpus = ffi.new("int[]", list(range(len(pkg))))
+    lib.ktk_cpu_spread(len(pkg), cpus, ffi.new("int[]", pkg), ffi.new("int[]", core))
+    assert list(cpus) == want
+    lib.ktk_cpu_spread(0, ffi.NULL, ffi.NULL, ffi.NULL)                # no input: nothing to do, no crash
