@@ -32,6 +32,7 @@ struct ktk_pool {
     int n, numa;
     pthread_t *th;
     int *cpu;                           /* cpu of each worker, -1: not pinned */
+    cpu_set_t worker_cpus;              /* the CPUs workers are pinned to (empty: none pinned) */
     int spare[64], nspare;              /* CPUs of the affinity mask no worker is pinned to (first 64) */
     _Atomic uint32_t gen, stop;         /* gen: the generation of the last job posted */
     _Atomic uint32_t done;              /* the generation of the last job completed */
@@ -292,6 +293,7 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         if (p->cpu[i] >= 0) {
+            CPU_SET(p->cpu[i], &p->worker_cpus);
             cpu_set_t one;
             CPU_ZERO(&one);
             CPU_SET(p->cpu[i], &one);
@@ -358,11 +360,18 @@ int ktk_pool_wait(ktk_pool *p) {
     long t0 = now_ns();
     int k = 0;
     uint32_t d;
+    /* On a CPU no worker is pinned to (the doorbell thread's, or a caller pinned outside), spinning
+     * takes nothing from the workers, so wait that way 20 times longer before the futex, whose
+     * wake-up costs 50-90 us a call in a VM: the whole layer at low thread counts, where a layer
+     * takes milliseconds (seventeenth session). */
+    int here = sched_getcpu();
+    long budget = here >= 0 && here < CPU_SETSIZE && CPU_COUNT(&p->worker_cpus) > 0 && !CPU_ISSET(here, &p->worker_cpus)
+                  ? 20 * p->spin_ns : p->spin_ns;
     while ((d = atomic_load_explicit(&p->done, memory_order_acquire)) != g) {
         ktk_relax();
         if (++k == 64) {
             k = 0;
-            if (now_ns() - t0 > p->spin_ns) break;
+            if (now_ns() - t0 > budget) break;
             sched_yield();
         }
     }
