@@ -4,7 +4,8 @@ decode roofline for this model.
 Decode roofline, per token: every routed expert a token picks is read from RAM once
 (`top_k` experts per MoE layer, bytes as stored: GGUF blocks or converted), with any other
 weights kept on the CPU (the embedding aside: one row), over the CPU read bandwidth the native
-probe measures in the same run with the experts' thread pool; plus every
+probe measures in the same run with the experts' thread pool (a pass just before each decode run,
+their mean: a shared host's bandwidth moves between runs); plus every
 byte the GPU holds for the layers (attention, shared experts, dense layers, norms, routers,
 `lm_head`) read once, over the GPU's measured copy bandwidth. The two parts add up: the MoE
 block waits for the CPU. KV-cache reads are left out (small next to the weights at these
@@ -43,7 +44,8 @@ class ModelBench:
     cpu_expert_bytes_per_token: int = 0
     cpu_dense_bytes_per_token: int = 0
     gpu_bytes_per_token: int = 0
-    cpu_bandwidth_gbps: float = 0.0
+    cpu_bandwidth_gbps: float = 0.0                   # the mean of cpu_bandwidth_runs
+    cpu_bandwidth_runs: list = field(default_factory=list)   # the probe's pass just before each decode run
     gpu_bandwidth_gbps: float = 0.0
     roofline_tokens_per_s: float = 0.0
     fraction: float = 0.0
@@ -79,12 +81,13 @@ def dense_bytes_per_token(model, device_type: str) -> int:
     return total
 
 
-def cpu_read_bandwidth(threads: int, gib: float = 4.0) -> float:
+def cpu_probe(threads: int, gib: float):
+    """A `native.Probe` on the experts' pool (one buffer, a pass beside each decode run), or None
+    without the native library."""
     from . import native
     if not native.available():
-        return 0.0
-    pool = native.default_pool(threads)
-    return native.probe_read_gbps(pool, int(gib * GIB), reps=5)
+        return None
+    return native.Probe(native.default_pool(threads), int(gib * GIB))
 
 
 def gpu_copy_bandwidth(gib: float = 2.0) -> float:
@@ -161,8 +164,19 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
         res.prefill[str(n)] = round(r.prefill_tokens_per_s, 1)
     # the cache sized for this generation, as generate() sizes it (a decode step's attention spans
     # the whole static cache, so the longest prefill's cache would slow it); the first run makes
-    # and captures it, later runs replay the kept graph
+    # and captures it, later runs replay the kept graph. With CPU experts, each run has the CPU
+    # bandwidth probe's pass just before it: a shared host's bandwidth moves from one minute to the
+    # next, so the roofline is measured beside what it judges.
+    res.cpu_expert_bytes_per_token, res.threads = cpu_expert_bytes_per_token(model)
+    res.cpu_dense_bytes_per_token = dense_bytes_per_token(model, "cpu")
+    cpu_bytes = res.cpu_expert_bytes_per_token + res.cpu_dense_bytes_per_token
+    probe = cpu_probe(res.threads or 0, probe_gib) if cpu_bytes else None
+    if cpu_bytes and probe is None:
+        raise KtInjectError("the native library is missing: cannot measure the CPU read bandwidth")
     for i in range(repeat):
+        if probe is not None:
+            say(f"CPU read bandwidth ({i + 1}/{repeat})")
+            res.cpu_bandwidth_runs.append(round(probe.gbps(reps=3), 1))
         say(f"decode {decode_tokens} tokens ({i + 1}/{repeat})")
         r = generate(model, tok, _prompt(vocab, decode_prompt, 1 + i), max_new_tokens=decode_tokens,
                      reuse_prefix=False)
@@ -174,17 +188,13 @@ def run_bench(model_path: str, rules, *, prompt_lengths: Sequence[int] = (512, 2
             from .native.hostfn import handover_of
             res.decode_handover = handover_of(model)
     res.decode_tokens_per_s = round(statistics.median(res.decode_runs), 2)
+    del probe
     say("measuring the machine")
-    res.cpu_expert_bytes_per_token, res.threads = cpu_expert_bytes_per_token(model)
-    res.cpu_dense_bytes_per_token = dense_bytes_per_token(model, "cpu")
     res.gpu_bytes_per_token = dense_bytes_per_token(model, "cuda")
-    cpu_bytes = res.cpu_expert_bytes_per_token + res.cpu_dense_bytes_per_token
-    res.cpu_bandwidth_gbps = round(cpu_read_bandwidth(res.threads or 0, probe_gib), 1) if cpu_bytes else 0.0
+    res.cpu_bandwidth_gbps = round(statistics.fmean(res.cpu_bandwidth_runs), 1) if cpu_bytes else 0.0
     res.gpu_bandwidth_gbps = round(gpu_copy_bandwidth(), 1) if res.gpu_bytes_per_token else 0.0
     seconds = 0.0
     if cpu_bytes:
-        if not res.cpu_bandwidth_gbps:
-            raise KtInjectError("the native library is missing: cannot measure the CPU read bandwidth")
         seconds += cpu_bytes / (res.cpu_bandwidth_gbps * 1e9)
     if res.gpu_bytes_per_token:
         seconds += res.gpu_bytes_per_token / (res.gpu_bandwidth_gbps * 1e9)

@@ -101,6 +101,8 @@ def test_bench_model_json_on_the_cpu(capsys, tmp_path):
     assert res["decode_tokens_per_s_incl_warmup"] > 0 and res["decode_mode"].startswith("eager")
     assert res["decode_handover"] == ""                         # no CUDA: no stream-ordered jobs
     assert res["cpu_expert_bytes_per_token"] > 0 and res["gpu_bytes_per_token"] == 0
+    assert len(res["cpu_bandwidth_runs"]) == 3 and all(v > 0 for v in res["cpu_bandwidth_runs"])   # one beside each run
+    assert res["cpu_bandwidth_gbps"] == pytest.approx(sum(res["cpu_bandwidth_runs"]) / 3, abs=0.06)
     expected = 1e9 * res["cpu_bandwidth_gbps"] / (res["cpu_expert_bytes_per_token"] + res["cpu_dense_bytes_per_token"])
     assert res["roofline_tokens_per_s"] == pytest.approx(expected, rel=0.01)
     assert res["fraction"] == pytest.approx(res["decode_tokens_per_s"] / res["roofline_tokens_per_s"], abs=1e-3)

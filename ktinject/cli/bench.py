@@ -108,7 +108,9 @@ def bench_model(args) -> int:
     t.add_row("decode, first steps included (eager step, capture)", f"{res.decode_tokens_per_s_incl_warmup:.1f} tok/s")
     t.add_row("CPU expert bytes / token", f"{res.cpu_expert_bytes_per_token / 1e6:.1f} MB")
     t.add_row("CPU other bytes / token", f"{res.cpu_dense_bytes_per_token / 1e6:.1f} MB")
-    t.add_row(f"CPU read bandwidth ({res.threads} threads)", f"{res.cpu_bandwidth_gbps:.1f} GB/s")
+    t.add_row(f"CPU read bandwidth ({res.threads} threads)", f"{res.cpu_bandwidth_gbps:.1f} GB/s"
+              + (f" (beside each run: {', '.join(f'{v:.1f}' for v in res.cpu_bandwidth_runs)})"
+                 if len(res.cpu_bandwidth_runs) > 1 else ""))
     t.add_row("GPU bytes / token", f"{res.gpu_bytes_per_token / 1e6:.1f} MB")
     t.add_row("GPU copy bandwidth", f"{res.gpu_bandwidth_gbps:.0f} GB/s")
     t.add_row("decode roofline", f"{res.roofline_tokens_per_s:.1f} tok/s")
