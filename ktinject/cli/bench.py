@@ -202,7 +202,6 @@ def bench_experts(args) -> int:
     E, H, I, k = args.experts, args.hidden, args.inter, args.topk
     _check_experts_flags(args, quants, batches, threads_list)
     isa_name = native.ISAS[native.isa_index(args.isa)]
-    amx_usable = "amx" in native.usable_isas()
     if args.trace:
         os.environ["KTINJECT_POOL_TRACE"] = "1"          # read when a pool is created
     rows = []
@@ -220,10 +219,7 @@ def bench_experts(args) -> int:
                 route_bytes = [int(torch.unique(ids).numel()) * expert_bytes for ids, _ in routes]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
-                # the tile unit's speed on every worker, wherever AMX is usable (whichever path runs): on
-                # the lent host it also tells whether the cores were slowed, which moves the compute-
-                # heavier types' decode by 10-20% (docs/benchmarks.md, seventeenth session)
-                tiles_before = probe_amx_gemm(pool) if amx_usable else None
+                tiles_before = probe_amx_gemm(pool) if isa_name == "amx" else None
                 rounds, traces = [], []
                 for _ in range(args.rounds):
                     bw = probe.gbps(reps=3, isa_name=args.isa)
