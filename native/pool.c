@@ -32,7 +32,8 @@ struct ktk_pool {
     int n, numa;
     pthread_t *th;
     int *cpu;                           /* cpu of each worker, -1: not pinned */
-    cpu_set_t worker_cpus;              /* the CPUs workers are pinned to (empty: none pinned) */
+    cpu_set_t worker_cpus;              /* the CPUs workers are pinned to */
+    int pinned;                         /* whether any worker is pinned (worker_cpus not empty) */
     int spare[64], nspare;              /* CPUs of the affinity mask no worker is pinned to (first 64) */
     _Atomic uint32_t gen, stop;         /* gen: the generation of the last job posted */
     _Atomic uint32_t done;              /* the generation of the last job completed */
@@ -294,6 +295,7 @@ ktk_pool *ktk_pool_new(int nthreads, int pin) {
         pthread_attr_init(&attr);
         if (p->cpu[i] >= 0) {
             CPU_SET(p->cpu[i], &p->worker_cpus);
+            p->pinned = 1;
             cpu_set_t one;
             CPU_ZERO(&one);
             CPU_SET(p->cpu[i], &one);
@@ -365,7 +367,7 @@ int ktk_pool_wait(ktk_pool *p) {
      * wake-up costs 50-90 us a call in a VM: the whole layer at low thread counts, where a layer
      * takes milliseconds (seventeenth session). */
     int here = sched_getcpu();
-    long budget = here >= 0 && here < CPU_SETSIZE && CPU_COUNT(&p->worker_cpus) > 0 && !CPU_ISSET(here, &p->worker_cpus)
+    long budget = p->pinned && here >= 0 && here < CPU_SETSIZE && !CPU_ISSET(here, &p->worker_cpus)
                   ? 20 * p->spin_ns : p->spin_ns;
     while ((d = atomic_load_explicit(&p->done, memory_order_acquire)) != g) {
         ktk_relax();

@@ -37,7 +37,7 @@ def _plain_read(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def kernels(n: int, k: int):
-    """name -> (one call on weight copy i, number of copies), all on the same quantized weight."""
+    """(name -> one call per weight copy, the tiled copies), all on the same quantized weight."""
     torch.manual_seed(0)
     iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -56,13 +56,13 @@ def kernels(n: int, k: int):
            "bf16": [lambda w=w: F.linear(x, w) for w in bfs]}
     if tg[0] is not None:
         out["tinygemm"] = [lambda f=f: f(x) for f in tg]
-    return out
+    return out, tiled
 
 
 def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "2048x2048,4096x4096").split(",")]
     for n, k in shapes:
-        ks = kernels(n, k)
+        ks, copies = kernels(n, k)
         if os.environ.get("NCU"):                    # profile only these calls: ncu --profile-from-start off
             for calls in ks.values():
                 calls[0]()                           # compiled and warm before the profiler starts
@@ -80,7 +80,6 @@ def main() -> int:
         print("  ".join(line), flush=True)
         if os.environ.get("ROWS_SWEEP"):                # mode rows over (rows a program, warps, tiles a chunk)
             from ktinject.operators.kernels.int4_triton import TiledConfig
-            copies = [f.__defaults__[0] for f in ks["ours"]]      # the tiled weight copies (the lambdas' defaults)
             tw = copies[0]
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             found = []

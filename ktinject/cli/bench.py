@@ -266,7 +266,7 @@ MAX_CALLS = 100000      # per round
 
 def _timed_calls(args, kernels, x, routes, route_bytes) -> tuple[float, int, int]:
     """One round: layers called for `--seconds / --rounds` (and at least once each), cycling the
-    kernels and the four routings from the first of each. Returns (seconds, calls, bytes read)."""
+    kernels and the routings from the first of each. Returns (seconds, calls, bytes read)."""
     budget = args.seconds / args.rounds
     n = len(kernels)
 
@@ -286,7 +286,7 @@ def _timed_calls(args, kernels, x, routes, route_bytes) -> tuple[float, int, int
             calls = max(n, min(MAX_CALLS - total, int(calls * (budget - el) / max(dt, 1e-9)) + 1))
     calls, t0 = 0, time.perf_counter()
     while True:
-        ids, w = routes[calls % 4]
+        ids, w = routes[calls % len(routes)]
         kernels[calls % n](x, ids, w)
         calls += 1
         el = time.perf_counter() - t0

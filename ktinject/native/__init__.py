@@ -369,10 +369,12 @@ class Probe:
 
     def gbps(self, reps: int = 3, isa_name: Optional[str] = None) -> float:
         """The best GB/s of `reps` full reads of the buffer by every worker of the pool."""
+        if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+            raise NativeError(f"bandwidth probe failed: reps must be a positive integer, got {reps!r}")
         lib, _ = load()
-        v = float(lib.ktk_probe_pass(self._ptr, self.pool.ptr, isa_index(isa_name), int(reps)))
+        v = float(lib.ktk_probe_pass(self._ptr, self.pool.ptr, isa_index(isa_name), reps))
         if v < 0:
-            raise NativeError(f"bandwidth probe failed (reps {reps})")
+            raise NativeError("bandwidth probe failed: its pool is running another job")
         return v
 
 
