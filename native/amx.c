@@ -95,10 +95,21 @@ static void emu_dpbf16ps(int d, int a, int b) {
                                  ktk_bf16_to_f32(av[m * 32 + 2 * k + 1]) * ktk_bf16_to_f32(bv[k * 32 + 2 * n + 1]);
     memcpy(emu_tile[d], c, sizeof c);
 }
+static void emu_dpbssd(int d, int a, int b) {   /* TDPBSSD: int8 x int8 quads summed into int32 */
+    int32_t c[256];
+    int8_t av[1024], bv[1024];
+    memcpy(c, emu_tile[d], sizeof c); memcpy(av, emu_tile[a], sizeof av); memcpy(bv, emu_tile[b], sizeof bv);
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++)
+            for (int k = 0; k < 64; k++) c[m * 16 + n] += (int32_t)av[m * 64 + k] * bv[(k / 4) * 64 + 4 * n + k % 4];
+    memcpy(emu_tile[d], c, sizeof c);
+}
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+#undef _tile_dpbssd
+#define _tile_dpbssd(d, a, b) emu_dpbssd(d, a, b)
 #define _tile_loadd(t, base, stride) emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) emu_stored(t, base, stride)
 #define _tile_zero(t) memset(emu_tile[t], 0, sizeof emu_tile[t])
@@ -107,7 +118,7 @@ static void emu_dpbf16ps(int d, int a, int b) {
 static __thread int t_configured;
 static void amx_config(void) { t_configured = 1; }
 #elif defined(__x86_64__)
-#define KTK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define KTK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f")))
 typedef struct __attribute__((packed, aligned(64))) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -218,6 +229,83 @@ void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_
 KTK_AMX_TARGET
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, 8, pk, nt, C, ldc, NULL, 0);
+}
+
+/* ---- The 8-bit tile GEMM (AMX-INT8) on a block of 32 rows of an I8 copy (i8.c) ----
+ * A: the block's int8 rows, tile-major ([K / 64][32 rows][64 values]: each 16-row A tile of a
+ * 64-value k-step is 1 KiB); ws: their scales, row r's group g at ws[r * NG + g]; pk, ts: the tokens
+ * by ktk_amx_pack_x_i8. Blocking as in amx_gemm (2 row tiles x 2 token tiles), but the int32 sums
+ * of one group of G values (G / 64 k-steps) are stored to ci (4 KiB) and scaled into C per group:
+ * C[r][t] (+)= sum * ws[r][g] * ts[t][g]. */
+#if defined(KTK_AMX_EMULATE)
+static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0,
+                            const float *t1, float *C, int64_t ldc, int first) {
+    for (int j = 0; j < (t1 ? 2 : 1); j++) {
+        const float *ts = j ? t1 : t0;
+        for (int row = 0; row < 32; row++) {
+            const float s = ws[row * NG + g];
+            const int32_t *c = ci + (2 * j + row / 16) * 256 + (row % 16) * 16;
+            float *o = C + row * ldc + j * 16;
+            for (int t = 0; t < 16; t++) o[t] = (first ? 0.f : o[t]) + (float)c[t] * (s * ts[t]);
+        }
+    }
+}
+#else
+KTK_AMX_TARGET static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0,
+                                           const float *t1, float *C, int64_t ldc, int first) {
+    for (int j = 0; j < (t1 ? 2 : 1); j++) {
+        const __m512 ts = _mm512_loadu_ps(j ? t1 : t0);
+        for (int row = 0; row < 32; row++) {
+            const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(ws[row * NG + g]), ts);
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(ci + (2 * j + row / 16) * 256 + (row % 16) * 16)));
+            float *o = C + row * ldc + j * 16;
+            _mm512_storeu_ps(o, first ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(o)));
+        }
+    }
+}
+#endif
+
+KTK_AMX_TARGET
+void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
+                     int64_t nt, float *C, int64_t ldc, int32_t *ci) {
+    if (!t_configured) amx_config();
+    const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
+    for (int64_t tt = 0; tt < ntt; tt += 2) {
+        const int two = tt + 1 < ntt;
+        const int8_t *b0 = pk + tt * KS * 1024, *b1 = b0 + KS * 1024;
+        const float *ts0 = ts + tt * NG * 16, *ts1 = two ? ts0 + NG * 16 : NULL;
+        for (int64_t g = 0; g < NG; g++) {
+            AMX_MEMORY_BARRIER();
+            _tile_zero(0); _tile_zero(1);
+            if (two) {
+                _tile_zero(2); _tile_zero(3);
+                for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
+                    _tile_loadd(4, A + ks * 2048, 64);
+                    _tile_loadd(5, A + ks * 2048 + 1024, 64);
+                    _tile_loadd(6, b0 + ks * 1024, 64);
+                    _tile_loadd(7, b1 + ks * 1024, 64);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbssd(1, 5, 6);
+                    _tile_dpbssd(2, 4, 7);
+                    _tile_dpbssd(3, 5, 7);
+                }
+                _tile_stored(2, ci + 512, 64);
+                _tile_stored(3, ci + 768, 64);
+            } else {
+                for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
+                    _tile_loadd(4, A + ks * 2048, 64);
+                    _tile_loadd(5, A + ks * 2048 + 1024, 64);
+                    _tile_loadd(6, b0 + ks * 1024, 64);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbssd(1, 5, 6);
+                }
+            }
+            _tile_stored(0, ci, 64);
+            _tile_stored(1, ci + 256, 64);
+            AMX_MEMORY_BARRIER();
+            i8_scale(ci, ws, NG, g, ts0 + g * 16, two ? ts1 + g * 16 : NULL, C + tt * 16, ldc, g == 0);
+        }
+    }
 }
 
 #undef AMX_MEMORY_BARRIER
@@ -419,6 +507,10 @@ void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) {
 #else
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)Wt; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
+}
+void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
+                     int64_t nt, float *C, int64_t ldc, int32_t *ci) {
+    (void)A; (void)ws; (void)K; (void)G; (void)pk; (void)ts; (void)nt; (void)C; (void)ldc; (void)ci;
 }
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;

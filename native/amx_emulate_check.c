@@ -65,6 +65,109 @@ static int check_silu(void (*silu_mul)(float *, const float *, int64_t, int), co
     return bad != 0;
 }
 
+static double rel_err(const float *out, const float *ref, int64_t n) {   /* |out - ref| / |ref|, 2-norms */
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) { num += (out[i] - ref[i]) * (double)(out[i] - ref[i]); den += (double)ref[i] * ref[i]; }
+    return sqrt(num / (den > 0 ? den : 1e-30));
+}
+
+/* The I8 copies (i8.c) and the AMX-INT8 tile GEMM: every value of ktk_i8_repack's copy within half
+ * a step of the f32 dequantization (and ktk_i8_dequant reading back the layout), every token within
+ * half a step of its packing, and ktk_amx_gemm_i8 against a double-precision dot of the copy's and
+ * the packed tokens' values, the padding columns zero and the columns past them untouched. */
+static int check_i8(void) {
+    static const int types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16, KTK_Q6_K};
+    static const int64_t ns[] = {256, 1408, 2048, 192};
+    static const int64_t nts[] = {1, 17, 33, 48};
+    const ktk_kernels *K = ktk_kernels_for(KTK_ISA_SCALAR);
+    const int64_t E = 2, R = 64;
+    int fails = 0;
+    ktk_pool *pool = ktk_pool_new(2, 0);
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+            const int t = types[ti];
+            const int64_t n = ns[ni], rb = ktk_row_bytes(t, n), es = ktk_i8_expert_bytes(R, n), G = ktk_i8_group(n);
+            if (rb < 0) continue;
+            uint8_t *rows = malloc((size_t)(E * R * rb)), *cp = aligned_alloc(64, (size_t)(E * es));
+            float *w = malloc((size_t)(R * n) * 4), *wq = malloc((size_t)(R * n) * 4), *x = malloc((size_t)(48 * n) * 4);
+            float *xq = malloc((size_t)(48 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 64 * 4);
+            int8_t *pk = aligned_alloc(64, (size_t)(48 * n)); float *ts = malloc((size_t)(48 * n / G) * 4);
+            int32_t *ci = aligned_alloc(64, 4096);
+            const float *xp[48];
+            fill(t, rows, E * R, n);
+            int rc = ktk_i8_repack(pool, t, rows, rb, R * rb, E, R, n, cp);
+            int bad = rc != KTK_OK;
+            if (rc) printf("FAIL i8_repack type %d n %lld: rc %d\n", t, (long long)n, rc);
+            for (int64_t e = 0; !rc && e < E; e++) {
+                ktk_i8_dequant(cp + e * es, R, n, wq);
+                const float *ws = (const float *)(cp + e * es + R * n);
+                for (int64_t r = 0; r < R; r++) {
+                    K->dequant(t, rows + (e * R + r) * rb, w + r * n, n);
+                    for (int64_t k = 0; k < n; k++) {
+                        const double step = ws[r * (n / G) + k / G];
+                        if (!(fabs((double)wq[r * n + k] - w[r * n + k]) <= 0.5 * step * (1 + 1e-5) + 1e-30) && bad++ < 3)
+                            printf("FAIL i8 type %d n %lld expert %lld row %lld value %lld: %g, want %g (step %g)\n", t,
+                                   (long long)n, (long long)e, (long long)r, (long long)k, wq[r * n + k], w[r * n + k], step);
+                    }
+                }
+            }
+            fails += bad != 0;
+            for (int64_t i = 0; i < 48 * n; i++) x[i] = frand() * (i % 97 == 0 ? 8.f : 1.f);
+            for (int j = 0; j < 48; j++) xp[j] = x + j * n;
+            for (size_t ci_ = 0; !rc && ci_ < sizeof nts / sizeof *nts; ci_++) {
+                const int64_t nt = nts[ci_], pad = (nt + 15) / 16 * 16, ldc = pad + 16;
+                ktk_amx_pack_x_i8(xp, nt, n, pk, ts);
+                int badx = 0;
+                for (int64_t j = 0; j < pad; j++)   /* the packed tokens read back */
+                    for (int64_t k = 0; k < n; k++) {
+                        const int64_t tt = j / 16, tj = j % 16;
+                        const float sc = ts[(tt * (n / G) + k / G) * 16 + tj];
+                        const float v = (float)pk[(tt * (n / 64) + k / 64) * 1024 + (k % 64) / 4 * 64 + tj * 4 + k % 4] * sc;
+                        const float want = j < nt ? x[j * n + k] : 0.f;
+                        if (j < nt) xq[j * n + k] = v;
+                        if (!(fabsf(v - want) <= 0.5f * sc * (1 + 1e-5f)) && badx++ < 3)
+                            printf("FAIL pack_x_i8 n %lld token %lld value %lld: %g, want %g\n", (long long)n, (long long)j,
+                                   (long long)k, v, want);
+                    }
+                fails += badx != 0;
+                for (int64_t blk = 0; blk < R / 32; blk++) {   /* expert 1's blocks: the scales' offsets */
+                    const uint8_t *A = cp + es + blk * 32 * n;
+                    const float *ws = (const float *)(cp + es + R * n) + blk * 32 * (n / G);
+                    ktk_i8_dequant(cp + es, R, n, wq);
+                    for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
+                    ktk_amx_gemm_i8((const int8_t *)A, ws, n, G, pk, ts, nt, C, ldc, ci);
+                    int badg = 0;
+                    double worst = 0;
+                    for (int r = 0; r < 32; r++)
+                        for (int64_t j = 0; j < ldc; j++) {
+                            const float c = C[r * ldc + j];
+                            if (j >= pad) { badg += !isnan(c); continue; }
+                            double ref = 0, mag = 0;
+                            for (int64_t k = 0; j < nt && k < n; k++) {
+                                const double pr = (double)wq[(blk * 32 + r) * n + k] * xq[j * n + k];
+                                ref += pr; mag += fabs(pr);
+                            }
+                            const double e = fabs(c - ref) / (mag > 0 ? mag : 1.0);
+                            if (!(e <= 1e-5)) badg++;
+                            if (e > worst) worst = e;
+                        }
+                    if (badg) printf("FAIL gemm_i8 type %d n %lld tokens %lld block %lld: %d outputs off (worst %.3g)\n", t,
+                                     (long long)n, (long long)nt, (long long)blk, badg, worst);
+                    fails += badg != 0;
+                }
+            }
+            free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(ci);
+        }
+    /* bad input: shapes the layout does not take */
+    if (ktk_i8_expert_bytes(48, 256) != -1 || ktk_i8_expert_bytes(64, 96) != -1 || ktk_i8_group(1408) != 128 ||
+        ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 64 || ktk_i8_group(32) != -1) {
+        printf("FAIL i8 shape rules\n");
+        fails++;
+    }
+    ktk_pool_free(pool);
+    return fails;
+}
+
 static int check_moe(void) {
     static const int moe_types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16};
     const int64_t E = 4, H = 256, I = 1408, k = 2;
@@ -80,6 +183,16 @@ static int check_moe(void) {
         int err = 0;
         ktk_moe *m = ktk_moe_new(&d, &err);
         if (!m) { fails++; printf("FAIL moe_new %d\n", err); }
+        /* the same layer with I8 copies of gate, up and down: the AMX-INT8 path in this build */
+        const int64_t esg = ktk_i8_expert_bytes(I, H), esd = ktk_i8_expert_bytes(H, I);
+        uint8_t *gi = aligned_alloc(64, (size_t)(E * esg)), *ui = aligned_alloc(64, (size_t)(E * esg)),
+                *di = aligned_alloc(64, (size_t)(E * esd));
+        ktk_moe_desc d8 = d;
+        d8.gate_i8 = gi; d8.up_i8 = ui; d8.down_i8 = di;
+        if (ktk_i8_repack(pool, gt, g, rbh, I * rbh, E, I, H, gi) || ktk_i8_repack(pool, gt, u, rbh, I * rbh, E, I, H, ui) ||
+            ktk_i8_repack(pool, dt, dn, rbi, H * rbi, E, H, I, di)) { fails++; printf("FAIL i8_repack for the layer\n"); }
+        ktk_moe *m8 = ktk_moe_new(&d8, &err);
+        if (!m8) { fails++; printf("FAIL moe_new (I8) %d\n", err); }
         for (int64_t T = 48; m && T <= 100; T += 52) {
             float *x = malloc((size_t)(T * H) * 4), *w = malloc((size_t)(T * k) * 4);
             float *ref = malloc((size_t)(T * H) * 4), *out = malloc((size_t)(T * H) * 4);
@@ -91,17 +204,23 @@ static int check_moe(void) {
             }
             int rc = ktk_moe_forward(m, pool, KTK_ISA_SCALAR, T, k, x, ids, w, ref) ||
                      ktk_moe_forward(m, pool, KTK_ISA_AVX2, T, k, x, ids, w, out);
-            double num = 0, den = 0;
-            for (int64_t i = 0; i < T * H; i++) { num += (out[i] - ref[i]) * (double)(out[i] - ref[i]); den += (double)ref[i] * ref[i]; }
-            double e = sqrt(num / (den > 0 ? den : 1e-30));
+            double e = rel_err(out, ref, T * H);
             if (rc || !(e < 2e-2)) {   /* bf16 weights and tokens on the tile path */
                 fails++;
                 printf("FAIL moe types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
             }
+            if (m8) {   /* int8 weights (per row and group) and tokens (per token and group) */
+                rc = ktk_moe_forward(m8, pool, KTK_ISA_AVX2, T, k, x, ids, w, out);
+                e = rel_err(out, ref, T * H);
+                if (rc || !(e < 2e-2)) {
+                    fails++;
+                    printf("FAIL moe (I8) types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
+                }
+            }
             free(x); free(w); free(ref); free(out); free(ids);
         }
-        ktk_moe_free(m);
-        free(g); free(u); free(dn);
+        ktk_moe_free(m); ktk_moe_free(m8);
+        free(g); free(u); free(dn); free(gi); free(ui); free(di);
     }
     ktk_pool_free(pool);
     return fails;
@@ -167,8 +286,10 @@ int main(void) {
     cases += 2;
     fails += check_silu(ktk_amx_silu_mul, "ktk_amx_silu_mul");
     fails += check_silu(ktk_silu_mul_avx2, "ktk_silu_mul_avx2");
-    cases += 8;
+    cases += 16;
     fails += check_moe();
+    cases += 1;
+    fails += check_i8();
     printf("%s (%d cases, %d failures)\n", fails ? "FAILED" : "OK", cases, fails);
     return fails != 0;
 }

@@ -10,6 +10,7 @@
 
 static int g_features = -1;
 static int g_amx_perm = 0;
+static int g_amx_int8 = 0;   /* AMX-INT8 (TDPBSSD), for the I8 copies' tile GEMM */
 
 static uint64_t xgetbv0(void) {
     uint32_t lo, hi;
@@ -29,6 +30,7 @@ static int detect(void) {
     int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
         avx512vl = (b >> 31) & 1, vnni = (c >> 11) & 1;
     int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    g_amx_int8 = (d >> 25) & 1;
     if (avx2 && fma && f16c) f |= 1 << KTK_ISA_AVX2;
     int zmm = (xcr0 & 0xe0) == 0xe0;                     /* opmask + ZMM state */
     if ((f & (1 << KTK_ISA_AVX2)) && zmm && avx512f && avx512dq && avx512bw && avx512vl && vnni)
@@ -56,6 +58,7 @@ int ktk_cpu_features(void) {
 
 int ktk_amx_permission(void) { ktk_cpu_features(); return g_amx_perm; }
 int ktk_amx_usable(void) { return (ktk_cpu_features() >> KTK_ISA_AMX) & 1; }
+int ktk_amx_int8_usable(void) { return ktk_amx_usable() && g_amx_int8; }
 
 int ktk_best_isa(void) {
     int f = ktk_cpu_features();

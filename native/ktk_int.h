@@ -167,6 +167,12 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp);
 void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows);
+/* The AMX-INT8 path (layouts in i8.c): C[r*ldc + t] = dot(row r, token t) for the block of 32 rows
+ * of an I8 copy at A (scales ws, row r's group g at ws[r * K / G + g]) and the tokens packed by
+ * ktk_amx_pack_x_i8 (pk, ts); ci: 1024 int32 of scratch. */
+void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
+                     int64_t nt, float *C, int64_t ldc, int32_t *ci);
+void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ts);
 /* C [rows][ldc] (rows % 8 == 0, ldc >= n rounded up to 8) to token rows: for j < n, row
  * out + (idx ? idx[j] : j) * stride gets C[0 .. rows)[j], stored (wv NULL) or added times wv[j] */
 void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *out, const int64_t *idx,

@@ -19,7 +19,8 @@
  * tokens quantized to 8 bits (pack_q8 / rows_u8 / gemm_q8; $KTINJECT_VNNI_GROUPED=0: f32), other
  * types dequantized against f32 panels; on the AMX path rows as bf16 tiles, by AMX-BF16 tiles. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
  * takes the row-dot path on that copy, several (group, token) pairs per kernel call; the grouped
- * path always reads the GGML rows. */
+ * path reads the GGML rows, or, on AMX with AMX-INT8, the I8 copies (desc gate_i8 / up_i8 / down_i8,
+ * i8.c) with AMX-INT8 tiles, the tokens packed to 8 bits per token and group. */
 #define _GNU_SOURCE
 #include "ktk_int.h"
 #include <math.h>
@@ -65,6 +66,8 @@ struct ktk_moe {
     int vnni_gu, vnni_dn;                              /* gate/up, down on the 8-bit grouped path (pack_q8, gemm_q8) */
     int8_t *xq8, *hq8;                                 /* its packed tokens and their scales (in xpk_mem, hpk_mem) */
     float *xs8, *hs8;
+    int i8_gu, i8_dn;                                  /* gate/up, down from the I8 copies on AMX-INT8 tiles */
+    int64_t i8_es_gu, i8_es_dn, npad;                  /* their bytes per expert; padded tokens of the packing */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
 
@@ -103,6 +106,10 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
                (d->gate_r16 && (!ktk_r16_supported(d->gate_type) || d->inter % 16 || ktk_r16_row_bytes(d->gate_type, d->hidden) < 0)) ||
                (d->down_r16 && (!ktk_r16_supported(d->down_type) || d->hidden % 16 || ktk_r16_row_bytes(d->down_type, d->inter) < 0))))
         e = KTK_EINVAL;
+    /* I8 copies: gate and up both or neither, shapes the layout takes */
+    if (!e && ((d->gate_i8 != NULL) != (d->up_i8 != NULL) || (d->gate_i8 && ktk_i8_expert_bytes(d->inter, d->hidden) < 0) ||
+               (d->down_i8 && ktk_i8_expert_bytes(d->hidden, d->inter) < 0)))
+        e = KTK_EINVAL;
     if (e) { if (err) *err = e; return NULL; }
     if (d->gate_r16 || d->down_r16) ktk_r16_init();
     ktk_moe *m = calloc(1, sizeof *m);
@@ -112,6 +119,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (!m->d.gate_es) m->d.gate_es = d->inter * d->gate_rb;
         if (!m->d.up_es) m->d.up_es = d->inter * d->up_rb;
         if (!m->d.down_es) m->d.down_es = d->hidden * d->down_rb;
+        m->i8_es_gu = d->gate_i8 ? ktk_i8_expert_bytes(d->inter, d->hidden) : 0;
+        m->i8_es_dn = d->down_i8 ? ktk_i8_expert_bytes(d->hidden, d->inter) : 0;
         m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
         m->act = calloc((size_t)E, sizeof(int64_t)); m->tile_list = calloc((size_t)E, sizeof(int64_t));
         m->plain_list = calloc((size_t)E, sizeof(int64_t));
@@ -213,6 +222,23 @@ static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows,
     (void)tid; (void)part;
 }
 
+/* The AMX-INT8 path: the expert's tokens packed by ktk_amx_pack_x_i8 in the space of the bf16 ones
+ * (npad * K bytes, then the scales: npad * K / G floats, never more than the bf16 packing's 2 bytes
+ * a value), and a block of 32 rows from the expert's I8 copy at w. */
+static inline int8_t *pk_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t e) {
+    return (int8_t *)base + m->pk_off[e] * K;
+}
+static inline float *ts_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t e) {
+    return (float *)((int8_t *)base + m->npad * K) + m->pk_off[e] * (K / ktk_i8_group(K));
+}
+static void grouped_i8(scratch_t *s, const uint8_t *w, int64_t rows, int64_t K, int64_t r0, const int8_t *pk,
+                       const float *ts, int64_t nt, float *C) {
+    const int64_t G = ktk_i8_group(K), ldc = (nt + 15) / 16 * 16;
+    ktk_amx_gemm_i8((const int8_t *)w + r0 * K, (const float *)(w + rows * K) + r0 * (K / G), K, G, pk, ts, nt, C, ldc,
+                    (int32_t *)s->wb);
+    s->ct = 1; s->cr = ldc;
+}
+
 static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     const ktk_moe_desc *d = &m->d;
     int64_t a = item / m->nci, c = item % m->nci, e = m->act[a], n = m->cnt[e], base = m->off[e];
@@ -221,7 +247,12 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     if (m->tile[e]) {
         scratch_t s = get_scratch(m, tid);
         if (!s.wf) return;
-        if (m->amx) {
+        if (m->i8_gu) {
+            const int8_t *pk = pk_i8(m, m->xpk, H, e);
+            const float *ts = ts_i8(m, m->xpk, H, e);
+            grouped_i8(&s, d->gate_i8 + e * m->i8_es_gu, I, H, r0, pk, ts, n, s.c0);
+            grouped_i8(&s, d->up_i8 + e * m->i8_es_gu, I, H, r0, pk, ts, n, s.c1);
+        } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
             grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
             grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, NULL, 0, tid, 0);
@@ -358,7 +389,9 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
         if (m->tile[e]) {
             if (!s.wf) s = get_scratch(m, tid);
             if (!s.wf) return;
-            if (m->amx) {
+            if (m->i8_dn) {
+                grouped_i8(&s, d->down_i8 + e * m->i8_es_dn, H, I, r0, pk_i8(m, m->hpk, I, e), ts_i8(m, m->hpk, I, e), n, s.c0);
+            } else if (m->amx) {
                 int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
                 while (a1 < m->nact && !m->tile[m->act[a1]]) a1++;
                 const uint8_t *nx = a1 < m->nact ? d->down + m->act[a1] * d->down_es + r0 * d->down_rb : NULL;
@@ -415,7 +448,8 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
         { int64_t e = m->tile_list[item - m->nq0];
           TR_START();
-          if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+          if (m->i8_gu) ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, e));
+          else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
           else if (m->vnni_gu)
               m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
           else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
@@ -431,7 +465,8 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         }
         { int64_t e = m->tile_list[item - m->nplain];
           TR_START();
-          if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
+          if (m->i8_dn) ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, pk_i8(m, m->hpk, I, e), ts_i8(m, m->hpk, I, e));
+          else if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
           else if (m->vnni_dn)
               m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);
           else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
@@ -482,6 +517,13 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
 #else
     m->amx = isa == KTK_ISA_AMX;
 #endif
+#if defined(KTK_AMX_EMULATE)
+    const int i8_ok = m->amx;
+#else
+    const int i8_ok = m->amx && ktk_amx_int8_usable();
+#endif
+    m->i8_gu = i8_ok && d->gate_i8 != NULL;
+    m->i8_dn = i8_ok && d->down_i8 != NULL;
     m->isa = isa;
     m->packed = m->amx || (K->pack_f32 && K->gemm_packed && m->packed_f32);
     const int vnni = !m->amx && m->packed && m->vnni_on && K->pack_q8 && K->rows_u8 && K->gemm_q8;
@@ -506,7 +548,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             m->plain_list[m->nplain++] = e;
         }
     }
-    if (m->amx && npad) {
+    m->npad = npad;
+    if (m->amx && npad) {   /* (the I8 packing, K bytes and K / 64 floats at most a token, fits in the bf16 one's space) */
         m->xpk = grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpk, &fail);
         m->hpk = grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpk, &fail);
         if (fail) return KTK_ENOMEM;

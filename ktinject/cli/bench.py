@@ -66,6 +66,9 @@ def add_arguments(p) -> None:
     g.add_argument("--rounds", type=int, default=5,
                    help="the time budget is split into this many rounds, each measured beside its own pass of "
                         "the bandwidth probe (default 5)")
+    g.add_argument("--int8", action="store_true",
+                   help="give every layer I8 copies (weights requantized to 8 bits per row and group of values) "
+                        "for the AMX-INT8 prefill path (cpu_experts option int8_prefill); decode still reads GGUF rows")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
                    "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts, "
@@ -212,11 +215,17 @@ def bench_experts(args) -> int:
         for nth in threads_list:
             pool = Pool(nth)
             probe = Probe(pool, int(args.probe_gib * GIB))
-            kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa) for g, u, d in layers]
+            kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa, int8_prefill=True if args.int8 else None)
+                       for g, u, d in layers]
+            int8 = bool(kernels[0].int8_copies)
+            i8_bytes = 2 * native.i8_expert_bytes(I, H) + native.i8_expert_bytes(H, I)
+            if args.int8 and not int8:
+                raise KtInjectError("--int8: no I8 copies were made (the log says why); they need the amx path "
+                                    "on a CPU with AMX-INT8")
             for T in batches:
                 x = torch.randn(T, H)
                 routes = [random_routing(T, E, k, seed) for seed in range(4)]
-                route_bytes = [int(torch.unique(ids).numel()) * expert_bytes for ids, _ in routes]
+                route_bytes = [_route_bytes(ids, E, expert_bytes, i8_bytes if int8 else 0) for ids, _ in routes]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
                 tiles_before = probe_amx_gemm(pool) if isa_name == "amx" else None
@@ -236,7 +245,7 @@ def bench_experts(args) -> int:
                 gbps = bytes_read / el / 1e9
                 flops = 2.0 * 3 * H * I * T * k
                 row = {"quant": qt.name.lower(), "down_quant": dqt.name.lower(), "batch": T, "threads": pool.threads, "isa": isa_name,
-                       "caller": args.caller, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
+                       "caller": args.caller, "int8_prefill": int8, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
                        "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
                        "rounds": [{"bandwidth_gbps": round(b, 2), "gbps": round(nb / t / 1e9, 2),
                                    "fraction": round(nb / t / 1e9 / b, 3)} for b, t, _, nb in rounds],
@@ -262,6 +271,22 @@ def bench_experts(args) -> int:
 
 
 MAX_CALLS = 100000      # per round
+
+
+def _route_bytes(ids, E: int, expert_bytes: int, i8_bytes: int) -> int:
+    """Weight bytes one layer call reads: every routed expert's GGUF rows, or, with I8 copies, those
+    copies for the experts that take the grouped path (>= 4 tokens, $KTINJECT_TILE_MIN)."""
+    import torch
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    used = int((counts > 0).sum())
+    if not i8_bytes:
+        return used * expert_bytes
+    try:
+        tile_min = max(1, int(os.environ.get("KTINJECT_TILE_MIN", "4")))
+    except ValueError:
+        tile_min = 4
+    grouped = int((counts >= tile_min).sum())
+    return (used - grouped) * expert_bytes + grouped * i8_bytes
 
 
 def _timed_calls(args, kernels, x, routes, route_bytes) -> tuple[float, int, int]:

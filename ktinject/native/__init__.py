@@ -389,7 +389,7 @@ def probe_amx_gemm(pool: Pool) -> list[float]:
     return [float(buf[i]) for i in range(n)]
 
 
-from .moe import MoEKernel, ExpertMatrix, repack_r16, run_chain, r16_dequant, r16_gemv, r16_row_bytes  # noqa: E402,F401  (needs the helpers above)
+from .moe import MoEKernel, ExpertMatrix, repack_r16, run_chain, r16_dequant, r16_gemv, r16_row_bytes, i8_dequant, i8_expert_bytes, repack_i8  # noqa: E402,F401  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "Probe", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",

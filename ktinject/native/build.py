@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
 MODULE = "ktinject.native._ktkernels"
-SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c", "hostjob.c", "kquant.c", "linear.c", "r16.c")
+SOURCES = ("cpu.c", "pool.c", "quant_scalar.c", "quant_avx2.c", "quant_avx512.c", "amx.c", "moe.c", "probe.c", "hostjob.c", "kquant.c", "linear.c", "r16.c", "i8.c")
 CFLAGS = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unused-function"]
 
 

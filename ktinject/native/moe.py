@@ -197,6 +197,55 @@ def repack_mode(isa: int, repack: Optional[bool]) -> str:
     return "auto" if isa >= ISAS.index("avx512") else "off"
 
 
+ENV_INT8 = "KTINJECT_AMX_INT8"
+
+
+def i8_expert_bytes(rows: int, cols: int) -> int:
+    """Bytes of one expert's I8 copy (native/i8.c), or -1 where the layout does not take the shape
+    (rows % 32, cols % 64)."""
+    lib, _ = load()
+    return int(lib.ktk_i8_expert_bytes(int(rows), int(cols)))
+
+
+def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None) -> torch.Tensor:
+    """The experts of `m` requantized to 8 bits for the AMX-INT8 prefill path: a uint8 tensor of
+    E * i8_expert_bytes(rows, cols) bytes (layout in native/i8.c: int8 per row and group of 256, 128
+    or 64 values with an f32 scale each, at most half a step from GGML's values)."""
+    lib, ffi = load()
+    es = i8_expert_bytes(m.rows, m.cols)
+    if es < 0:
+        raise NativeError(f"{m.name or 'expert matrix'}: no I8 copy for {m.rows} rows of {m.cols} values "
+                          f"(needs rows % 32 == 0 and cols % 64 == 0)")
+    out = torch.empty(m.n_experts * es, dtype=torch.uint8)
+    rb = m.data.shape[1]
+    src = ffi.cast("uint8_t *", m.data.data_ptr() + m.offset * rb)
+    check(lib.ktk_i8_repack(pool.ptr if pool is not None else ffi.NULL, int(m.ggml_type), src, rb,
+                            m.expert_stride * rb, m.n_experts, m.rows, m.cols, _ptr(ffi, out, "uint8_t *")),
+          f"i8_repack {m.name or ''}".strip())
+    return out
+
+
+def i8_dequant(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """One expert's I8 copy (uint8, i8_expert_bytes(rows, cols) bytes) to f32 [rows, cols]: the values
+    the AMX-INT8 tiles multiply."""
+    lib, ffi = load()
+    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != i8_expert_bytes(rows, cols):
+        raise NativeError(f"i8_dequant: expected a contiguous uint8 tensor of {i8_expert_bytes(rows, cols)} bytes")
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    check(lib.ktk_i8_dequant(_ptr(ffi, w, "uint8_t *"), rows, cols, _ptr(ffi, out, "float *")), "i8_dequant")
+    return out
+
+
+def int8_mode(int8_prefill: Optional[bool]) -> bool:
+    """Whether to make I8 copies: $KTINJECT_AMX_INT8=0 is off everywhere; `int8_prefill` True / False
+    is on / off; else $KTINJECT_AMX_INT8=1 is on; off by default (the copies are lossy and take
+    1 byte a weight beside the GGUF pages). Only the AMX path with AMX-INT8 uses them."""
+    env = os.environ.get(ENV_INT8, "").strip()
+    if env == "0" or int8_prefill is False:
+        return False
+    return bool(int8_prefill) or env == "1"
+
+
 class MoEKernel:
     """out[t] = sum_j w[t,j] * down_e(SiLU(gate_e x_t) * up_e x_t), e = ids[t,j].
 
@@ -205,10 +254,16 @@ class MoEKernel:
     allows): gate and up (both or neither) and down get an R16 copy where `r16_supported` allows
     (`repacked` names them), which the decode (row-dot) path reads; the grouped (prefill) path and
     streamed_experts keep reading the GGUF rows given (`gate`, `up`, `down`).
+    `int8_prefill`: True / False / None (`int8_mode`; off unless asked): on the AMX path of a CPU
+    with AMX-INT8, gate, up and down get I8 copies (`repack_i8`: 1 byte a weight, requantized per
+    row and group) which the grouped (prefill) path multiplies with 8-bit tiles, its tokens quantized
+    per token and group as well, instead of converting the GGUF rows to bf16 tiles on every call
+    (`int8_copies` names them). Decode keeps reading the GGUF rows (or R16 copies).
     """
 
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
-                 pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None):
+                 pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None,
+                 int8_prefill: Optional[bool] = None):
         lib, ffi = load()
         for m in (gate, up, down):
             m.validate()
@@ -251,6 +306,22 @@ class MoEKernel:
                            f"slower than the GGUF kernels (the R16 kernels need AVX-512 VNNI)")
             self.r16 = {name: repack_r16(m, self.pool) for name, m in todo}
         self.repacked: tuple[str, ...] = tuple(self.r16)
+        self.i8: dict[str, torch.Tensor] = {}
+        if int8_mode(int8_prefill):
+            why = None
+            if self.isa != ISAS.index("amx") or not lib.ktk_amx_int8_usable():
+                why = f"the {ISAS[self.isa]} path is in use" if self.isa != ISAS.index("amx") else "this CPU has no AMX-INT8"
+            elif i8_expert_bytes(I, H) < 0 or i8_expert_bytes(H, I) < 0:
+                why = f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 64"
+            else:
+                nbytes = E * (2 * i8_expert_bytes(I, H) + i8_expert_bytes(H, I))
+                if not _ram_allows(nbytes):
+                    why = f"the copies need {nbytes / 2**20:.0f} MiB, more than this machine has to spare"
+            if why:
+                _warn_once(f"int8 prefill: off: {why}; prefill converts the GGUF rows to bf16 tiles instead")
+            else:
+                self.i8 = {name: repack_i8(m, self.pool) for name, m in (("gate", gate), ("up", up), ("down", down))}
+        self.int8_copies: tuple[str, ...] = tuple(self.i8)
         desc = ffi.new("ktk_moe_desc *")
         desc.gate_type, desc.up_type, desc.down_type = gate.ggml_type, up.ggml_type, down.ggml_type
         desc.n_experts, desc.hidden, desc.inter = E, H, I
@@ -263,6 +334,8 @@ class MoEKernel:
         desc.down_es = down.expert_stride * down.data.shape[1]
         for name in self.r16:
             setattr(desc, name + "_r16", ffi.cast("uint8_t *", self.r16[name].data.data_ptr()))
+        for name, t in self.i8.items():
+            setattr(desc, name + "_i8", ffi.cast("uint8_t *", t.data_ptr()))
         err = ffi.new("int *")
         ptr = lib.ktk_moe_new(desc, err)
         if ptr == ffi.NULL:

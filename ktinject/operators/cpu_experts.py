@@ -55,6 +55,7 @@ class CpuExpertsOptions:
     stream_ordered: bool = True          # CUDA inputs of <= stream_max_tokens: stream-driven (graph-capturable)
     stream_max_tokens: int = 16
     repack: str = "auto"                 # R16 layout for the VNNI decode kernels: auto (AVX-512/AMX, RAM allows), on, off
+    int8_prefill: bool = False           # I8 copies (requantized, 1 byte a weight) for the AMX-INT8 prefill path
 
     def __post_init__(self):
         if self.quant not in CONVERT_BITS:
@@ -69,6 +70,8 @@ class CpuExpertsOptions:
             object.__setattr__(self, "repack", "on" if self.repack else "off")
         if self.repack not in REPACK:
             raise ValueError(f"repack {self.repack!r} is not one of {', '.join(REPACK)}")
+        if not isinstance(self.int8_prefill, bool):
+            raise ValueError(f"int8_prefill must be true or false, got {self.int8_prefill!r}")
 
 
 def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
@@ -184,7 +187,8 @@ class CpuExperts(Operator):
         from ..native import MoEKernel
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
         self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa,
-                                repack=REPACK[self.options.repack])
+                                repack=REPACK[self.options.repack],
+                                int8_prefill=True if self.options.int8_prefill else None)
         if self._jobs and torch.cuda.is_available():   # queued host functions may still use the old jobs
             for dev in {key[0] for key in self._jobs}:
                 torch.cuda.synchronize(dev)
@@ -302,4 +306,5 @@ class CpuExperts(Operator):
     def extra_repr(self) -> str:
         return (f"op=cpu_experts, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
                 f"threads={self.options.threads or 'all'}, quant={self.options.quant}"
-                + (f", r16={'+'.join(self.kernel.repacked)}" if self.kernel is not None and self.kernel.repacked else ""))
+                + (f", r16={'+'.join(self.kernel.repacked)}" if self.kernel is not None and self.kernel.repacked else "")
+                + (f", int8={'+'.join(self.kernel.int8_copies)}" if self.kernel is not None and self.kernel.int8_copies else ""))

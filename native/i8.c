@@ -1,0 +1,159 @@
+/* I8 copies: expert matrices requantized at load to 8 bits for the AMX-INT8 prefill path.
+ *
+ * A matrix of `rows` rows (rows % 32 == 0) of n values (n % 64 == 0) becomes, per expert:
+ *   - rows * n int8 values, tile-major: for each block of 32 rows and 64-value k-step ks, the
+ *     block's 32 rows x 64 values at (block * n / 64 + ks) * 2048 + r * 64 (each 16-row A tile of a
+ *     k-step is 1 KiB of contiguous memory, as ktk_amx_gemm_i8 loads it);
+ *   - then f32 scales [rows][n / G]: row r, group g of G values (G = ktk_i8_group(n): 256, 128 or
+ *     64, the largest that divides n), symmetric: value = q * scale, q in [-127, 127],
+ *     scale = max |w| / 127 over the group of the f32 dequantization's values w.
+ * The expert's bytes are rounded up to 64 (ktk_i8_expert_bytes); experts are back to back.
+ * Requantizing adds at most half a step (scale / 2) per value to the GGML type's own error.
+ *
+ * Tokens for the tile GEMM (ktk_amx_pack_x_i8): per token and group of G values, the same
+ * symmetric 8 bits, in the VNNI quad layout of a B tile: token tile tt, k-step ks at
+ * pk[(tt * n / 64 + ks) * 1024], byte q * 64 + t * 4 + i = token tt * 16 + t, value ks * 64 + 4q + i;
+ * scales at ts[(tt * NG + g) * 16 + t] (NG = n / G); tokens past nt are zeros with scale 0. */
+#include "ktk_int.h"
+#include <math.h>
+#include <stdlib.h>
+
+int64_t ktk_i8_group(int64_t n) {
+    if (n <= 0 || n % 64) return -1;
+    return n % 256 == 0 ? 256 : n % 128 == 0 ? 128 : 64;
+}
+
+int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n) {
+    const int64_t G = ktk_i8_group(n);
+    if (G < 0 || rows < 32 || rows % 32) return -1;
+    return (rows * n + rows * (n / G) * 4 + 63) / 64 * 64;
+}
+
+/* one group of G floats to int8 (q = round(w * 127 / max|w|)), returning its scale max|w| / 127 */
+static inline float quant_group(const float *w, int64_t G, int8_t *q) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < G; i++) { float a = fabsf(w[i]); if (a > amax) amax = a; }
+    if (!(amax > 0.f) || !isfinite(amax)) {   /* zeros (or a non-finite group: zeros, scale NaN) */
+        for (int64_t i = 0; i < G; i++) q[i] = 0;
+        return amax > 0.f ? NAN : 0.f;
+    }
+    const float inv = 127.f / amax;
+    for (int64_t i = 0; i < G; i++) {
+        float v = nearbyintf(w[i] * inv);
+        q[i] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+    }
+    return amax / 127.f;
+}
+
+typedef struct {
+    const ktk_kernels *K;
+    int type;
+    const uint8_t *src;
+    int64_t src_rb, src_es, rows, n, G, es;
+    uint8_t *dst;
+    int fail;
+} i8_ctx;
+
+static void repack_item(void *ctx, int phase, int64_t item, int tid) {
+    (void)phase; (void)tid;
+    i8_ctx *c = ctx;
+    const int64_t nb = c->rows / 32, e = item / nb, b = item % nb, NG = c->n / c->G;
+    float *w = malloc((size_t)c->n * sizeof(float));
+    if (!w) { c->fail = 1; return; }
+    int8_t *q = (int8_t *)(c->dst + e * c->es) + b * 32 * c->n, tmp[256];
+    float *ws = (float *)(c->dst + e * c->es + c->rows * c->n);
+    for (int r = 0; r < 32; r++) {
+        const int64_t row = b * 32 + r;
+        c->K->dequant(c->type, c->src + e * c->src_es + row * c->src_rb, w, c->n);
+        for (int64_t g = 0; g < NG; g++) {   /* the group's values go to G / 64 k-steps, 64 bytes each */
+            ws[row * NG + g] = quant_group(w + g * c->G, c->G, tmp);
+            for (int64_t i = 0; i < c->G; i += 64) memcpy(q + ((g * c->G + i) / 64) * 2048 + r * 64, tmp + i, 64);
+        }
+    }
+    free(w);
+}
+
+int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                  int64_t rows, int64_t n, uint8_t *dst) {
+    const int64_t es = ktk_i8_expert_bytes(rows, n);
+    const ktk_kernels *K = ktk_kernels_for(ktk_best_isa());
+    if (!src || !dst || es < 0 || n_experts < 1 || type < 0 || type >= KTK_NTYPES || !K || !K->dequant ||
+        ktk_row_bytes(type, n) <= 0 || src_rb != ktk_row_bytes(type, n) || src_es < rows * src_rb)
+        return KTK_EINVAL;
+    i8_ctx c = {K, type, src, src_rb, src_es, rows, n, ktk_i8_group(n), es, dst, 0};
+    int64_t items = n_experts * (rows / 32);
+    if (p && ktk_pool_run_async(p, repack_item, &c, 1, &items) == KTK_OK) {
+        int rc = ktk_pool_wait(p);
+        if (rc) return rc;
+    } else {
+        for (int64_t i = 0; i < items; i++) repack_item(&c, 0, i, 0);
+    }
+    return c.fail ? KTK_ENOMEM : KTK_OK;
+}
+
+int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, float *dst) {
+    const int64_t G = ktk_i8_group(n);
+    if (!w || !dst || ktk_i8_expert_bytes(rows, n) < 0) return KTK_EINVAL;
+    const int8_t *q = (const int8_t *)w;
+    const float *ws = (const float *)(w + rows * n);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < n; k++)
+            dst[r * n + k] = (float)q[((r / 32) * (n / 64) + k / 64) * 2048 + (r % 32) * 64 + k % 64] * ws[r * (n / G) + k / G];
+    return KTK_OK;
+}
+
+/* the 4-byte quads of 16 values k .. k + 15 (k % 16 == 0) of token t to their B-tile rows */
+static inline void put_quads(int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k, const int8_t *q16) {
+    for (int j = 0; j < 16; j += 4) {
+        const int64_t kk = k + j;
+        memcpy(pk + (tt * KS + kk / 64) * 1024 + (kk % 64) / 4 * 64 + t * 4, q16 + j, 4);
+    }
+}
+
+#if defined(__x86_64__) && !defined(KTK_AMX_EMULATE)
+#include <immintrin.h>
+/* quant_group with AVX-512 (the same values: cvtps2dq rounds to nearest even, as nearbyintf does in
+ * the default rounding mode), the group's quads written straight to the B tiles */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static float quant_group_tiles(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < G; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(w + i)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    if (!(amax > 0.f) || !isfinite(amax)) {
+        int8_t tmp[256];
+        const float s = quant_group(w, G, tmp);
+        for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
+        return s;
+    }
+    const __m512 inv = _mm512_set1_ps(127.f / amax);
+    for (int64_t i = 0; i < G; i += 16) {
+        int8_t q16[16];
+        _mm_storeu_si128((__m128i *)q16, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + i), inv))));
+        put_quads(pk, KS, tt, t, k0 + i, q16);
+    }
+    return amax / 127.f;
+}
+#else
+static float quant_group_tiles(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+    int8_t tmp[256];
+    const float s = quant_group(w, G, tmp);
+    for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
+    return s;
+}
+#endif
+
+void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ts) {
+    const int64_t G = ktk_i8_group(K), KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
+    static const int8_t zeros[16];
+    for (int64_t tt = 0; tt < ntt; tt++)
+        for (int t = 0; t < 16; t++) {
+            const int64_t tok = tt * 16 + t;
+            for (int64_t g = 0; g < NG; g++) {
+                if (tok < nt) ts[(tt * NG + g) * 16 + t] = quant_group_tiles(X[tok] + g * G, G, pk, KS, tt, t, g * G);
+                else {
+                    ts[(tt * NG + g) * 16 + t] = 0.f;
+                    for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, g * G + i, zeros);
+                }
+            }
+        }
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The AMX-INT8 prefill path on the lent Xeon (one device call): its tests on the real tiles (the
+# I8 tests, the emulated-tile check, the sanitizer driver, whose I8 layer runs on real AMX-INT8
+# there), then batch-512 V2-Lite layers, alternating the bf16 tiles, the 8-bit tiles (--int8) and
+# AVX-512, at 16 threads and at 8 and 15 (kt-kernel's rows in ../shared/PERF.md), and the layer's
+# error against the AVX-512 path's. Logs and JSON go to $OUT.
+# Usage, from the repository root: bash scripts/device_int8.sh
+# (ROUNDS="1 2 3", THREAD_SWEEP="8 15" or "", NO_AVX512=1, TRACE=--trace: per-phase times; NO_ERROR=1)
+set -o pipefail
+DEFAULT_OUT=int8_out
+. scripts/device_env.sh
+python3 -m ktinject.native.build 2>&1 | tail -1
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_i8.py tests/test_amx_emulated.py tests/test_native_sanitize.py \
+  tests/test_r16.py -k "not repacked or amx" 2>&1 | tee "$OUT/tests.log" | tail -4
+line() {   # label isa threads quants [bench flags]
+  local label=$1 isa=$2 th=$3 q=$4; shift 4
+  timeout -s KILL 120 python3 -m ktinject bench experts --quant $q --batch 512 --threads $th --gib ${GIB:-2} --probe-gib 0.25 \
+    --seconds ${SECONDS_PER:-1.5} --rounds 2 --isa $isa --json "$@" 2>>"$OUT/bench.err" | python3 -c "import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith('{') else None
+    print('$label', {k: r.get(k) for k in ('quant', 'threads', 'int8_prefill', 'ms_per_layer', 'tflops', 'amx_probe_us', 'trace_us')} if r else l.rstrip()[:300])" | tee -a "$OUT/layers.txt"
+}
+for round in ${ROUNDS:-1 2}; do
+  line "amx-bf16 r$round" amx 16 q4_k,bf16 $TRACE
+  line "amx-int8 r$round" amx 16 q4_k,bf16 --int8 $TRACE
+  [ -n "${NO_AVX512:-}" ] || line "avx512 r$round" avx512 16 q4_k,bf16
+done
+for th in ${THREAD_SWEEP-8 15}; do
+  line "amx-int8 t$th" amx $th q4_k,bf16 --int8
+  line "amx-bf16 t$th" amx $th q4_k,bf16
+done
+[ -n "${NO_ERROR:-}" ] || timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/error.txt"
+import sys
+import torch
+sys.path.insert(0, "tests")
+from test_native_util import ref_moe
+from ktinject import native
+from ktinject.native.synth import parse_quant
+from ktinject.cli.bench import _make_layers, down_type
+from ktinject.testing import random_routing
+E, H, I, k, T = 64, 2048, 1408, 6, 512
+for q in ("q4_k", "bf16"):
+    qt = parse_quant(q)
+    g, u, d = _make_layers(qt, down_type(qt, I), E, H, I, 0.01)[0][0]
+    x = torch.randn(T, H)
+    ids, w = random_routing(T, E, k, 0)
+    pool = native.Pool(16)
+    deq = [native.dequant_rows(pool, m.ggml_type, m.data, m.cols).reshape(E, m.rows, m.cols) for m in (g, u, d)]
+    ref = ref_moe(x, ids, w, *deq)
+    for name, kw in (("avx512 8-bit tokens", {"isa": "avx512"}), ("amx bf16 tiles", {"isa": "amx"}),
+                     ("amx int8 tiles", {"isa": "amx", "int8_prefill": True})):
+        out = native.MoEKernel(g, u, d, pool=pool, **kw)(x, ids, w)
+        print(q, name, "relative error vs float64:", round(float((out.double() - ref.double()).norm() / ref.double().norm()), 5))
+PY

@@ -1,0 +1,122 @@
+"""I8 copies (native/i8.c) for the AMX-INT8 prefill path: the requantized values against GGML's
+dequantization, the layer with copies against the torch reference on a CPU with AMX-INT8, and the
+option's refusals elsewhere. The tile loop itself also runs on emulated tiles in
+tests/test_amx_emulated.py (native/amx_emulate_check.c), on any x86 CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ktinject import native
+from ktinject.errors import NativeError
+from ktinject.native import moe as nmoe
+
+from test_native_util import dequant, moe_case, rand_rows, ref_moe, rel_err
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
+
+
+def _int8_usable() -> bool:
+    lib, _ = native.load()
+    return bool(lib.ktk_amx_int8_usable())
+
+
+AMX_INT8 = native.available() and _int8_usable()
+
+
+@pytest.mark.parametrize("qt,n", [(QT.Q4_K, 512), (QT.Q5_0, 1408), (QT.Q8_0, 192), (QT.BF16, 256), (QT.Q6_K, 256)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_copy_is_within_half_a_step_of_ggml(qt, n):
+    E, rows = 3, 64
+    w = rand_rows(qt, E * rows, n, seed=11)
+    cp = native.repack_i8(native.ExpertMatrix(int(qt), w, E, rows, n, "w"), native.default_pool(2))
+    es = native.i8_expert_bytes(rows, n)
+    assert cp.shape == (E * es,) and es == (rows * n + rows * (n // nmoe_group(n)) * 4 + 63) // 64 * 64
+    ref = dequant(qt, w, n).reshape(E, rows, n)
+    G = nmoe_group(n)
+    for e in range(E):
+        got = native.i8_dequant(cp[e * es:(e + 1) * es], rows, n)
+        step = ref[e].abs().reshape(rows, n // G, G).amax(-1) / 127      # each group's scale
+        err = (got - ref[e]).abs().reshape(rows, n // G, G)
+        assert (err <= step[..., None] * 0.5 * (1 + 1e-5) + 1e-30).all(), (qt.name, e)
+        assert rel_err(got, ref[e]) < 1e-2
+
+
+def nmoe_group(n: int) -> int:
+    lib, _ = native.load()
+    return int(lib.ktk_i8_group(n))
+
+
+def test_group_and_shape_rules():
+    assert [nmoe_group(n) for n in (2048, 1408, 192, 7168, 32, 100)] == [256, 128, 64, 256, -1, -1]
+    assert native.i8_expert_bytes(48, 256) == -1 and native.i8_expert_bytes(64, 96) == -1
+    w = rand_rows(QT.Q8_0, 48, 256)
+    with pytest.raises(NativeError, match="no I8 copy for 48 rows of 256 values"):
+        native.repack_i8(native.ExpertMatrix(int(QT.Q8_0), w, 1, 48, 256, "w"))
+    with pytest.raises(NativeError, match="i8_dequant: expected a contiguous uint8 tensor"):
+        native.i8_dequant(torch.zeros(10, dtype=torch.uint8), 64, 256)
+
+
+def test_copy_follows_stride_and_offset():
+    """The up half of a fused [E, 2I, H] gate_up tensor (offset I, stride 2I)."""
+    E, I, H = 2, 64, 256
+    gu = rand_rows(QT.Q4_K, E * 2 * I, H, seed=4)
+    cp = native.repack_i8(native.ExpertMatrix(int(QT.Q4_K), gu, E, I, H, "up", stride=2 * I, offset=I))
+    es = native.i8_expert_bytes(I, H)
+    want = dequant(QT.Q4_K, gu, H).reshape(E, 2 * I, H)[:, I:]
+    for e in range(E):
+        assert rel_err(native.i8_dequant(cp[e * es:(e + 1) * es], I, H), want[e]) < 1e-2
+
+
+def test_int8_mode(monkeypatch):
+    monkeypatch.delenv("KTINJECT_AMX_INT8", raising=False)
+    assert [nmoe.int8_mode(v) for v in (None, True, False)] == [False, True, False]
+    monkeypatch.setenv("KTINJECT_AMX_INT8", "1")
+    assert [nmoe.int8_mode(v) for v in (None, False)] == [True, False]
+    monkeypatch.setenv("KTINJECT_AMX_INT8", "0")
+    assert nmoe.int8_mode(True) is False
+
+
+@pytest.mark.skipif(AMX_INT8, reason="this CPU has AMX-INT8: the copies are made")
+def test_int8_prefill_elsewhere_says_why_and_makes_no_copies(caplog):
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q8_0, E=2)
+    nmoe._warned.clear()
+    with caplog.at_level("WARNING", logger="ktinject.native.moe"):
+        kern = native.MoEKernel(gate, up, down, threads=1, int8_prefill=True)
+    assert kern.int8_copies == () and "int8 prefill: off: " in caplog.text
+
+
+@pytest.mark.skipif(not AMX_INT8, reason="needs AMX-INT8 (Sapphire Rapids or later) with tile permission")
+@pytest.mark.parametrize("qt,dqt", [(QT.Q4_K, QT.Q5_0), (QT.Q8_0, QT.Q8_0), (QT.BF16, QT.BF16)], ids=["q4_k+q5_0", "q8_0", "bf16"])
+@pytest.mark.parametrize("T", [1, 40, 100])
+def test_moe_kernel_int8_on_amx(qt, dqt, T, monkeypatch):
+    """Grouped experts on 8-bit tiles against the torch reference on GGML's values (tolerance: int8
+    weights per row and group, int8 tokens per token and group); decode (T = 1) reads GGUF rows, the
+    same bits as without copies."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
+    (gate, up, down), (G, U, D) = moe_case(qt, dqt, E=6, H=256, I=512)
+    kern = native.MoEKernel(gate, up, down, threads=3, isa="amx", int8_prefill=True)
+    plain = native.MoEKernel(gate, up, down, threads=3, isa="amx")
+    assert kern.int8_copies == ("gate", "up", "down") and plain.int8_copies == ()
+    x = torch.randn(T, 256)
+    ids, w = torch.rand(T, 6).topk(2, dim=1).indices.contiguous(), torch.rand(T, 2)
+    out, ref = kern(x, ids, w), ref_moe(x, ids, w, G, U, D)
+    assert rel_err(out, ref) < 4e-2, (qt.name, T)   # measured 0.021-0.029 at T = 40, 100 (H = 256, I = 512)
+    if T == 1:
+        assert torch.equal(out, plain(x, ids, w))
+
+
+def test_cpu_experts_int8_prefill_option():
+    from ktinject.operators import registry
+    Op = registry.get("cpu_experts")
+    assert Op.Options().int8_prefill is False and Op.Options(int8_prefill=True).int8_prefill is True
+    with pytest.raises(ValueError, match="int8_prefill must be true or false, got 'yes'"):
+        Op.Options(int8_prefill="yes")
+
+
+def test_bench_counts_the_bytes_each_path_reads():
+    from ktinject.cli.bench import _route_bytes
+    ids = torch.tensor([[0, 1]] * 5 + [[2, 3]])           # experts 0, 1: 5 tokens (grouped); 2, 3: 1 token
+    assert _route_bytes(ids, 8, 100, 0) == 400
+    assert _route_bytes(ids, 8, 100, 180) == 2 * 100 + 2 * 180
