@@ -115,7 +115,7 @@ static inline void put_quads(int8_t *pk, int64_t KS, int64_t tt, int t, int64_t 
 /* quant_group with AVX-512 (the same values: cvtps2dq rounds to nearest even, as nearbyintf does in
  * the default rounding mode), the group's quads written straight to the B tiles */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static float quant_group_tiles(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
     __m512 mx = _mm512_setzero_ps();
     for (int64_t i = 0; i < G; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(w + i)));
     const float amax = _mm512_reduce_max_ps(mx);
@@ -133,23 +133,27 @@ static float quant_group_tiles(const float *w, int64_t G, int8_t *pk, int64_t KS
     }
     return amax / 127.f;
 }
-#else
-static float quant_group_tiles(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+#define HAVE_TILES_512 1
+#endif
+static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
     int8_t tmp[256];
     const float s = quant_group(w, G, tmp);
     for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
     return s;
 }
-#endif
 
 void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ts) {
     const int64_t G = ktk_i8_group(K), KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
     static const int8_t zeros[16];
+    float (*quant_tiles)(const float *, int64_t, int8_t *, int64_t, int64_t, int, int64_t) = quant_group_tiles_c;
+#if defined(HAVE_TILES_512)   /* the AMX path always has AVX-512; direct callers (the C drivers) may not */
+    if (ktk_cpu_features() >> KTK_ISA_AVX512 & 1) quant_tiles = quant_group_tiles_512;
+#endif
     for (int64_t tt = 0; tt < ntt; tt++)
         for (int t = 0; t < 16; t++) {
             const int64_t tok = tt * 16 + t;
             for (int64_t g = 0; g < NG; g++) {
-                if (tok < nt) ts[(tt * NG + g) * 16 + t] = quant_group_tiles(X[tok] + g * G, G, pk, KS, tt, t, g * G);
+                if (tok < nt) ts[(tt * NG + g) * 16 + t] = quant_tiles(X[tok] + g * G, G, pk, KS, tt, t, g * G);
                 else {
                     ts[(tt * NG + g) * 16 + t] = 0.f;
                     for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, g * G + i, zeros);
