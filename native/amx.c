@@ -236,7 +236,8 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
  * 64-value k-step is 1 KiB); ws: their scales, row r's group g at ws[r * NG + g]; pk, ts: the tokens
  * by ktk_amx_pack_x_i8. Blocking as in amx_gemm (2 row tiles x 2 token tiles), but the int32 sums
  * of one group of G values (G / 64 k-steps) are stored to ci (4 KiB) and scaled into C per group:
- * C[r][t] (+)= sum * ws[r][g] * ts[t][g]. */
+ * C[r][t] (+)= sum * ws[r][g] * ts[t][g], that scaling issued after the next group's first tile
+ * products, so that it runs while they do. */
 #if defined(KTK_AMX_EMULATE)
 static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0,
                             const float *t1, float *C, int64_t ldc, int first) {
@@ -267,7 +268,7 @@ KTK_AMX_TARGET static inline void i8_scale(const int32_t *ci, const float *ws, i
 
 KTK_AMX_TARGET
 void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
-                     int64_t nt, float *C, int64_t ldc, int32_t *ci) {
+                     int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap) {
     if (!t_configured) amx_config();
     const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
     for (int64_t tt = 0; tt < ntt; tt += 2) {
@@ -277,34 +278,37 @@ void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, con
         for (int64_t g = 0; g < NG; g++) {
             AMX_MEMORY_BARRIER();
             _tile_zero(0); _tile_zero(1);
-            if (two) {
-                _tile_zero(2); _tile_zero(3);
-                for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                    _tile_loadd(4, A + ks * 2048, 64);
-                    _tile_loadd(5, A + ks * 2048 + 1024, 64);
-                    _tile_loadd(6, b0 + ks * 1024, 64);
+            if (two) { _tile_zero(2); _tile_zero(3); }
+            for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
+                if (pf && tt == 0 && ks + pf < KS) prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64);
+                _tile_loadd(4, A + ks * 2048, 64);
+                _tile_loadd(5, A + ks * 2048 + 1024, 64);
+                _tile_loadd(6, b0 + ks * 1024, 64);
+                _tile_dpbssd(0, 4, 6);
+                _tile_dpbssd(1, 5, 6);
+                if (two) {
                     _tile_loadd(7, b1 + ks * 1024, 64);
-                    _tile_dpbssd(0, 4, 6);
-                    _tile_dpbssd(1, 5, 6);
                     _tile_dpbssd(2, 4, 7);
                     _tile_dpbssd(3, 5, 7);
                 }
+                if (overlap && ks == g * SG && g > 0) {   /* the previous group's sums into C while these products run */
+                    AMX_MEMORY_BARRIER();
+                    i8_scale(ci, ws, NG, g - 1, ts0 + (g - 1) * 16, two ? ts1 + (g - 1) * 16 : NULL, C + tt * 16, ldc, g == 1);
+                    AMX_MEMORY_BARRIER();
+                }
+            }
+            AMX_MEMORY_BARRIER();
+            if (two) {
                 _tile_stored(2, ci + 512, 64);
                 _tile_stored(3, ci + 768, 64);
-            } else {
-                for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                    _tile_loadd(4, A + ks * 2048, 64);
-                    _tile_loadd(5, A + ks * 2048 + 1024, 64);
-                    _tile_loadd(6, b0 + ks * 1024, 64);
-                    _tile_dpbssd(0, 4, 6);
-                    _tile_dpbssd(1, 5, 6);
-                }
             }
             _tile_stored(0, ci, 64);
             _tile_stored(1, ci + 256, 64);
             AMX_MEMORY_BARRIER();
-            i8_scale(ci, ws, NG, g, ts0 + g * 16, two ? ts1 + g * 16 : NULL, C + tt * 16, ldc, g == 0);
+            if (!overlap) i8_scale(ci, ws, NG, g, ts0 + g * 16, two ? ts1 + g * 16 : NULL, C + tt * 16, ldc, g == 0);
         }
+        if (overlap)
+            i8_scale(ci, ws, NG, NG - 1, ts0 + (NG - 1) * 16, two ? ts1 + (NG - 1) * 16 : NULL, C + tt * 16, ldc, NG == 1);
     }
 }
 
@@ -509,8 +513,8 @@ void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt,
     (void)Wt; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
 }
 void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
-                     int64_t nt, float *C, int64_t ldc, int32_t *ci) {
-    (void)A; (void)ws; (void)K; (void)G; (void)pk; (void)ts; (void)nt; (void)C; (void)ldc; (void)ci;
+                     int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap) {
+    (void)overlap; (void)A; (void)ws; (void)K; (void)G; (void)pk; (void)ts; (void)nt; (void)C; (void)ldc; (void)ci; (void)pf;
 }
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;

@@ -135,7 +135,7 @@ static int check_i8(void) {
                     const float *ws = (const float *)(cp + es + R * n) + blk * 32 * (n / G);
                     ktk_i8_dequant(cp + es, R, n, wq);
                     for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
-                    ktk_amx_gemm_i8((const int8_t *)A, ws, n, G, pk, ts, nt, C, ldc, ci);
+                    ktk_amx_gemm_i8((const int8_t *)A, ws, n, G, pk, ts, nt, C, ldc, ci, (int)(blk * 3), (int)(nt & 1));   /* prefetch 0 and 3; both orders */
                     int badg = 0;
                     double worst = 0;
                     for (int r = 0; r < 32; r++)

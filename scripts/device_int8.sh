@@ -5,7 +5,9 @@
 # AVX-512, at 16 threads and at 8 and 15 (kt-kernel's rows in ../shared/PERF.md), and the layer's
 # error against the AVX-512 path's. Logs and JSON go to $OUT.
 # Usage, from the repository root: bash scripts/device_int8.sh
-# (ROUNDS="1 2 3", THREAD_SWEEP="8 15" or "", NO_AVX512=1, TRACE=--trace: per-phase times; NO_ERROR=1)
+# (ROUNDS="1 2 3", THREAD_SWEEP="8 15" or "", NO_AVX512=1, TRACE=--trace: per-phase times; NO_ERROR=1;
+#  PF_SWEEP="0 4 8": only the I8 GEMM at these prefetch distances, twice over; OVERLAP_AB=1: its scaling
+#  overlapped with the next group's tile work or not, three times over)
 set -o pipefail
 DEFAULT_OUT=int8_out
 . scripts/device_env.sh
@@ -20,6 +22,18 @@ for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
     print('$label', {k: r.get(k) for k in ('quant', 'threads', 'int8_prefill', 'ms_per_layer', 'tflops', 'amx_probe_us', 'trace_us')} if r else l.rstrip()[:300])" | tee -a "$OUT/layers.txt"
 }
+if [ -n "${OVERLAP_AB:-}" ]; then   # A/B of the I8 GEMM's overlapped scaling, alternating
+  for round in 1 2 3; do
+    for ov in 1 0; do KTINJECT_AMX_I8_OVERLAP=$ov line "amx-int8 overlap$ov r$round" amx 16 q4_k,bf16 --int8; done
+  done
+  exit 0
+fi
+if [ -n "${PF_SWEEP:-}" ]; then   # A/B of the I8 GEMM's prefetch distance (k-steps), alternating
+  for round in 1 2; do
+    for pf in $PF_SWEEP; do KTINJECT_AMX_I8_PREFETCH=$pf line "amx-int8 pf$pf r$round" amx 16 q4_k,bf16 --int8; done
+  done
+  exit 0
+fi
 for round in ${ROUNDS:-1 2}; do
   line "amx-bf16 r$round" amx 16 q4_k,bf16 $TRACE
   line "amx-int8 r$round" amx 16 q4_k,bf16 --int8 $TRACE
