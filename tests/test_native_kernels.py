@@ -398,7 +398,7 @@ def test_describe_names_the_grouped_path(monkeypatch):
     the 8-bit types are exactly those VNNI_TYPES lists for the ISA, and
     $KTINJECT_VNNI_GROUPED=0 turns them off."""
     monkeypatch.delenv("KTINJECT_VNNI_GROUPED", raising=False)
-    assert native.grouped_path("scalar") == "f32" and native.grouped_path("amx") == "AMX-BF16 tiles"
+    assert native.grouped_path("scalar") == "f32" and native.grouped_path("amx").startswith("AMX-BF16 tiles")
     for isa in ("avx2", "avx512"):
         if isa not in ISAS:
             continue

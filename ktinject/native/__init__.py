@@ -147,12 +147,14 @@ def describe() -> dict:
 
 
 def grouped_path(isa_name: str) -> str:
-    """How an ISA path's grouped (prefill) experts multiply: AMX-BF16 tiles, 8-bit integers for
-    the listed GGML types (f32 for the others), or f32 (docs/native.md, "8-bit grouped path")."""
+    """How an ISA path's grouped (prefill) experts multiply: AMX-BF16 tiles (and whether AMX-INT8
+    tiles are there for `int8_prefill`), 8-bit integers for the listed GGML types (f32 for the
+    others), or f32 (docs/native.md, "8-bit grouped path" and "I8")."""
     from gguf import GGMLQuantizationType as QT
     lib, _ = load()
     if isa_name == "amx":
-        return "AMX-BF16 tiles"
+        return "AMX-BF16 tiles" + ("; AMX-INT8 tiles on I8 copies with int8_prefill" if lib.ktk_amx_int8_usable()
+                                   else " (no AMX-INT8: int8_prefill has no effect)")
     mask = int(lib.ktk_grouped_int8_types(isa_index(isa_name)))
     names = [QT(t).name for t in range(32) if mask >> t & 1]
     return f"8-bit integers ({', '.join(names)}), f32 for other types" if names else "f32"
