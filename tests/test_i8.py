@@ -54,6 +54,11 @@ def test_group_and_shape_rules():
     w = rand_rows(QT.Q8_0, 48, 256)
     with pytest.raises(NativeError, match="no I8 copy for 48 rows of 256 values"):
         native.repack_i8(native.ExpertMatrix(int(QT.Q8_0), w, 1, 48, 256, "w"))
+    with pytest.raises(NativeError, match=r"w: 64 rows, expected at least 128 for 2 experts of 64 rows"):
+        native.repack_i8(native.ExpertMatrix(int(QT.Q8_0), rand_rows(QT.Q8_0, 64, 256), 2, 64, 256, "w"))
+    r16 = native.repack_r16(native.ExpertMatrix(int(QT.Q8_0), rand_rows(QT.Q8_0, 64, 256), 1, 64, 256, "w"))
+    with pytest.raises(NativeError, match="I8 copies are made from GGUF rows, not 'r16' ones"):
+        native.repack_i8(r16)
     with pytest.raises(NativeError, match="i8_dequant: expected a contiguous uint8 tensor"):
         native.i8_dequant(torch.zeros(10, dtype=torch.uint8), 64, 256)
 

@@ -211,6 +211,9 @@ def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None) -> torch.Tensor:
     """The experts of `m` requantized to 8 bits for the AMX-INT8 prefill path: a uint8 tensor of
     E * i8_expert_bytes(rows, cols) bytes (layout in native/i8.c: int8 per row and group of 256, 128
     or 64 values with an f32 scale each, at most half a step from GGML's values)."""
+    m.validate()
+    if m.layout != "gguf":
+        raise NativeError(f"{m.name or 'expert matrix'}: I8 copies are made from GGUF rows, not {m.layout!r} ones")
     lib, ffi = load()
     es = i8_expert_bytes(m.rows, m.cols)
     if es < 0:
