@@ -110,6 +110,14 @@ static inline void put_quads(int8_t *pk, int64_t KS, int64_t tt, int t, int64_t 
     }
 }
 
+/* quant_group, the group's quads written straight to the B tiles */
+static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+    int8_t tmp[256];
+    const float s = quant_group(w, G, tmp);
+    for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
+    return s;
+}
+
 #if defined(__x86_64__) && !defined(KTK_AMX_EMULATE)
 #include <immintrin.h>
 /* quant_group with AVX-512 (the same values: cvtps2dq rounds to nearest even, as nearbyintf does in
@@ -119,12 +127,7 @@ static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_
     __m512 mx = _mm512_setzero_ps();
     for (int64_t i = 0; i < G; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(w + i)));
     const float amax = _mm512_reduce_max_ps(mx);
-    if (!(amax > 0.f) || !isfinite(amax)) {
-        int8_t tmp[256];
-        const float s = quant_group(w, G, tmp);
-        for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
-        return s;
-    }
+    if (!(amax > 0.f) || !isfinite(amax)) return quant_group_tiles_c(w, G, pk, KS, tt, t, k0);   /* zeros, scale 0 or NaN */
     const __m512 inv = _mm512_set1_ps(127.f / amax);
     for (int64_t i = 0; i < G; i += 16) {
         int8_t q16[16];
@@ -135,12 +138,6 @@ static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_
 }
 #define HAVE_TILES_512 1
 #endif
-static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
-    int8_t tmp[256];
-    const float s = quant_group(w, G, tmp);
-    for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
-    return s;
-}
 
 void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ts) {
     const int64_t G = ktk_i8_group(K), KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
