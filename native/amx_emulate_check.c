@@ -158,6 +158,27 @@ static int check_i8(void) {
             }
             free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(ci);
         }
+    {   /* a NaN among a token's values (or a weight row's): that token's (row's) outputs are NaN, the others not */
+        const int64_t n = 256, rb = ktk_row_bytes(KTK_BF16, n), es = ktk_i8_expert_bytes(32, n);
+        uint8_t *rows = malloc((size_t)(32 * rb)), *cp = aligned_alloc(64, (size_t)es);
+        float *x = malloc((size_t)(17 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 32 * 4), *ts = malloc(2 * 16 * 4);
+        int8_t *pk = aligned_alloc(64, (size_t)(32 * n));
+        int32_t *ci = aligned_alloc(64, 4096);
+        const float *xp[17];
+        fill(KTK_BF16, rows, 32, n);
+        const uint16_t qnan = 0x7fc0;
+        memcpy(rows + 7 * rb + 2 * 100, &qnan, 2);   /* row 7, value 100 */
+        for (int64_t i = 0; i < 17 * n; i++) x[i] = frand();
+        x[3 * n + 5] = NAN;                          /* token 3, value 5 */
+        for (int j = 0; j < 17; j++) xp[j] = x + j * n;
+        int bad = ktk_i8_repack(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, cp) != KTK_OK;
+        ktk_amx_pack_x_i8(xp, 17, n, pk, ts);
+        ktk_amx_gemm_i8((const int8_t *)cp, (const float *)(cp + 32 * n), n, 256, pk, ts, 17, C, 32, ci, 0, 1);
+        for (int r = 0; r < 32 && !bad; r++)
+            for (int j = 0; j < 17 && !bad; j++) bad = (r == 7 || j == 3) != (isnan(C[r * 32 + j]) != 0);
+        if (bad) { printf("FAIL i8: a NaN token or weight does not give NaN outputs (only)\n"); fails++; }
+        free(rows); free(cp); free(x); free(C); free(ts); free(pk); free(ci);
+    }
     /* bad input: shapes the layout does not take */
     if (ktk_i8_expert_bytes(48, 256) != -1 || ktk_i8_expert_bytes(64, 96) != -1 || ktk_i8_group(1408) != 128 ||
         ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 64 || ktk_i8_group(32) != -1) {

@@ -29,13 +29,16 @@ int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n) {
     return (rows * n + rows * (n / G) * 4 + 63) / 64 * 64;
 }
 
-/* one group of G floats to int8 (q = round(w * 127 / max|w|)), returning its scale max|w| / 127 */
+/* one group of G floats to int8 (q = round(w * 127 / max|w|)), returning its scale max|w| / 127;
+ * a group of zeros: scale 0; a group with a NaN or an infinity: zeros with scale NaN, so that every
+ * product with it is NaN, as in the f32 and bf16 paths */
 static inline float quant_group(const float *w, int64_t G, int8_t *q) {
     float amax = 0.f;
-    for (int64_t i = 0; i < G; i++) { float a = fabsf(w[i]); if (a > amax) amax = a; }
-    if (!(amax > 0.f) || !isfinite(amax)) {   /* zeros (or a non-finite group: zeros, scale NaN) */
+    int nan = 0;
+    for (int64_t i = 0; i < G; i++) { float a = fabsf(w[i]); nan |= a != a; if (a > amax) amax = a; }
+    if (nan || !(amax > 0.f) || !isfinite(amax)) {
         for (int64_t i = 0; i < G; i++) q[i] = 0;
-        return amax > 0.f ? NAN : 0.f;
+        return nan || amax > 0.f ? NAN : 0.f;
     }
     const float inv = 127.f / amax;
     for (int64_t i = 0; i < G; i++) {
@@ -125,9 +128,14 @@ static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t 
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t i = 0; i < G; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(w + i)));
+    __mmask16 nan = 0;   /* (max drops NaN operands) */
+    for (int64_t i = 0; i < G; i += 16) {
+        const __m512 v = _mm512_loadu_ps(w + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
     const float amax = _mm512_reduce_max_ps(mx);
-    if (!(amax > 0.f) || !isfinite(amax)) return quant_group_tiles_c(w, G, pk, KS, tt, t, k0);   /* zeros, scale 0 or NaN */
+    if (nan || !(amax > 0.f) || !isfinite(amax)) return quant_group_tiles_c(w, G, pk, KS, tt, t, k0);   /* scale 0 or NaN */
     const __m512 inv = _mm512_set1_ps(127.f / amax);
     for (int64_t i = 0; i < G; i += 16) {
         int8_t q16[16];

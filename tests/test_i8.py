@@ -125,3 +125,17 @@ def test_bench_counts_the_bytes_each_path_reads():
     ids = torch.tensor([[0, 1]] * 5 + [[2, 3]])           # experts 0, 1: 5 tokens (grouped); 2, 3: 1 token
     assert _route_bytes(ids, 8, 100, 0) == 400
     assert _route_bytes(ids, 8, 100, 180) == 2 * 100 + 2 * 180
+
+
+@pytest.mark.skipif(not AMX_INT8, reason="needs AMX-INT8 (Sapphire Rapids or later) with tile permission")
+def test_nan_token_gives_nan_rows_on_amx(monkeypatch):
+    """A NaN in one token's values makes that token's output NaN and no other (the AVX-512 packing
+    checks each group for NaN: max alone drops them)."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
+    (gate, up, down), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2, H=256, I=512)
+    kern = native.MoEKernel(gate, up, down, threads=2, isa="amx", int8_prefill=True)
+    x = torch.randn(20, 256)
+    x[3, 5] = float("nan")
+    ids, w = torch.tensor([[0, 1]] * 20), torch.full((20, 2), 0.5)
+    out = kern(x, ids, w)
+    assert out[3].isnan().all() and not out[torch.arange(20) != 3].isnan().any()
