@@ -77,7 +77,7 @@ static double rel_err(const float *out, const float *ref, int64_t n) {   /* |out
  * the packed tokens' values, the padding columns zero and the columns past them untouched. */
 static int check_i8(void) {
     static const int types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16, KTK_Q6_K};
-    static const int64_t ns[] = {256, 1408, 2048, 192};
+    static const int64_t ns[][2] = {{256, 0}, {1408, 0}, {1408, 128}, {1408, 64}, {2048, 0}, {2048, 512}, {192, 0}, {192, 64}};   /* n, G */
     static const int64_t nts[] = {1, 17, 33, 48};
     const ktk_kernels *K = ktk_kernels_for(KTK_ISA_SCALAR);
     const int64_t E = 2, R = 64;
@@ -86,7 +86,8 @@ static int check_i8(void) {
     for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++)
         for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
             const int t = types[ti];
-            const int64_t n = ns[ni], rb = ktk_row_bytes(t, n), es = ktk_i8_expert_bytes(R, n), G = ktk_i8_group(n);
+            const int64_t n = ns[ni][0], rb = ktk_row_bytes(t, n), es = ktk_i8_expert_bytes(R, n, ns[ni][1]);
+            const int64_t G = ns[ni][1] ? ns[ni][1] : ktk_i8_group(n);
             if (rb < 0) continue;
             uint8_t *rows = malloc((size_t)(E * R * rb)), *cp = aligned_alloc(64, (size_t)(E * es));
             float *w = malloc((size_t)(R * n) * 4), *wq = malloc((size_t)(R * n) * 4), *x = malloc((size_t)(48 * n) * 4);
@@ -95,11 +96,11 @@ static int check_i8(void) {
             int32_t *ci = aligned_alloc(64, 4096);
             const float *xp[48];
             fill(t, rows, E * R, n);
-            int rc = ktk_i8_repack(pool, t, rows, rb, R * rb, E, R, n, cp);
+            int rc = ktk_i8_repack(pool, t, rows, rb, R * rb, E, R, n, ns[ni][1], cp);
             int bad = rc != KTK_OK;
             if (rc) printf("FAIL i8_repack type %d n %lld: rc %d\n", t, (long long)n, rc);
             for (int64_t e = 0; !rc && e < E; e++) {
-                ktk_i8_dequant(cp + e * es, R, n, wq);
+                ktk_i8_dequant(cp + e * es, R, n, G, wq);
                 const float *ws = (const float *)(cp + e * es + R * n);
                 for (int64_t r = 0; r < R; r++) {
                     K->dequant(t, rows + (e * R + r) * rb, w + r * n, n);
@@ -116,7 +117,7 @@ static int check_i8(void) {
             for (int j = 0; j < 48; j++) xp[j] = x + j * n;
             for (size_t ci_ = 0; !rc && ci_ < sizeof nts / sizeof *nts; ci_++) {
                 const int64_t nt = nts[ci_], pad = (nt + 15) / 16 * 16, ldc = pad + 16;
-                ktk_amx_pack_x_i8(xp, nt, n, pk, ts);
+                ktk_amx_pack_x_i8(xp, nt, n, G, pk, ts);
                 int badx = 0;
                 for (int64_t j = 0; j < pad; j++)   /* the packed tokens read back */
                     for (int64_t k = 0; k < n; k++) {
@@ -133,7 +134,7 @@ static int check_i8(void) {
                 for (int64_t blk = 0; blk < R / 32; blk++) {   /* expert 1's blocks: the scales' offsets */
                     const uint8_t *A = cp + es + blk * 32 * n;
                     const float *ws = (const float *)(cp + es + R * n) + blk * 32 * (n / G);
-                    ktk_i8_dequant(cp + es, R, n, wq);
+                    ktk_i8_dequant(cp + es, R, n, G, wq);
                     for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
                     ktk_amx_gemm_i8((const int8_t *)A, ws, n, G, pk, ts, nt, C, ldc, ci, (int)(blk * 3), (int)(nt & 1));   /* prefetch 0 and 3; both orders */
                     int badg = 0;
@@ -159,7 +160,7 @@ static int check_i8(void) {
             free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(ci);
         }
     {   /* a NaN among a token's values (or a weight row's): that token's (row's) outputs are NaN, the others not */
-        const int64_t n = 256, rb = ktk_row_bytes(KTK_BF16, n), es = ktk_i8_expert_bytes(32, n);
+        const int64_t n = 256, rb = ktk_row_bytes(KTK_BF16, n), es = ktk_i8_expert_bytes(32, n, 0);
         uint8_t *rows = malloc((size_t)(32 * rb)), *cp = aligned_alloc(64, (size_t)es);
         float *x = malloc((size_t)(17 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 32 * 4), *ts = malloc(2 * 16 * 4);
         int8_t *pk = aligned_alloc(64, (size_t)(32 * n));
@@ -171,8 +172,8 @@ static int check_i8(void) {
         for (int64_t i = 0; i < 17 * n; i++) x[i] = frand();
         x[3 * n + 5] = NAN;                          /* token 3, value 5 */
         for (int j = 0; j < 17; j++) xp[j] = x + j * n;
-        int bad = ktk_i8_repack(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, cp) != KTK_OK;
-        ktk_amx_pack_x_i8(xp, 17, n, pk, ts);
+        int bad = ktk_i8_repack(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, 0, cp) != KTK_OK;
+        ktk_amx_pack_x_i8(xp, 17, n, 256, pk, ts);
         ktk_amx_gemm_i8((const int8_t *)cp, (const float *)(cp + 32 * n), n, 256, pk, ts, 17, C, 32, ci, 0, 1);
         for (int r = 0; r < 32 && !bad; r++)
             for (int j = 0; j < 17 && !bad; j++) bad = (r == 7 || j == 3) != (isnan(C[r * 32 + j]) != 0);
@@ -180,8 +181,11 @@ static int check_i8(void) {
         free(rows); free(cp); free(x); free(C); free(ts); free(pk); free(ci);
     }
     /* bad input: shapes the layout does not take */
-    if (ktk_i8_expert_bytes(48, 256) != -1 || ktk_i8_expert_bytes(64, 96) != -1 || ktk_i8_group(1408) != 128 ||
-        ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 64 || ktk_i8_group(32) != -1) {
+    if (ktk_i8_expert_bytes(48, 256, 0) != -1 || ktk_i8_expert_bytes(64, 96, 0) != -1 || ktk_i8_group(1408) != 704 ||
+        ktk_i8_expert_bytes(64, 1408, 256) != -1 || ktk_i8_expert_bytes(64, 2048, 2048) != -1 ||   /* G must divide n, <= 1024 */
+        ktk_i8_expert_bytes(64, 2048, 96) != -1 || ktk_i8_expert_bytes(64, 2048, -64) != -1 ||     /* G % 64, G > 0 */
+        ktk_i8_expert_bytes(64, 2048, 1024) != 64 * 2048 + 64 * 2 * 4 ||
+        ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 192 || ktk_i8_group(2944) != 128 || ktk_i8_group(32) != -1) {
         printf("FAIL i8 shape rules\n");
         fails++;
     }
@@ -205,13 +209,14 @@ static int check_moe(void) {
         ktk_moe *m = ktk_moe_new(&d, &err);
         if (!m) { fails++; printf("FAIL moe_new %d\n", err); }
         /* the same layer with I8 copies of gate, up and down: the AMX-INT8 path in this build */
-        const int64_t esg = ktk_i8_expert_bytes(I, H), esd = ktk_i8_expert_bytes(H, I);
+        const int64_t dg = ti % 2 ? 128 : 0;   /* the down's group: the default (704) or 128 */
+        const int64_t esg = ktk_i8_expert_bytes(I, H, 0), esd = ktk_i8_expert_bytes(H, I, dg);
         uint8_t *gi = aligned_alloc(64, (size_t)(E * esg)), *ui = aligned_alloc(64, (size_t)(E * esg)),
                 *di = aligned_alloc(64, (size_t)(E * esd));
         ktk_moe_desc d8 = d;
-        d8.gate_i8 = gi; d8.up_i8 = ui; d8.down_i8 = di;
-        if (ktk_i8_repack(pool, gt, g, rbh, I * rbh, E, I, H, gi) || ktk_i8_repack(pool, gt, u, rbh, I * rbh, E, I, H, ui) ||
-            ktk_i8_repack(pool, dt, dn, rbi, H * rbi, E, H, I, di)) { fails++; printf("FAIL i8_repack for the layer\n"); }
+        d8.gate_i8 = gi; d8.up_i8 = ui; d8.down_i8 = di; d8.down_i8_group = dg;
+        if (ktk_i8_repack(pool, gt, g, rbh, I * rbh, E, I, H, 0, gi) || ktk_i8_repack(pool, gt, u, rbh, I * rbh, E, I, H, 0, ui) ||
+            ktk_i8_repack(pool, dt, dn, rbi, H * rbi, E, H, I, dg, di)) { fails++; printf("FAIL i8_repack for the layer\n"); }
         ktk_moe *m8 = ktk_moe_new(&d8, &err);
         if (!m8) { fails++; printf("FAIL moe_new (I8) %d\n", err); }
         for (int64_t T = 48; m && T <= 100; T += 52) {
@@ -233,7 +238,7 @@ static int check_moe(void) {
             if (m8) {   /* int8 weights (per row and group) and tokens (per token and group) */
                 rc = ktk_moe_forward(m8, pool, KTK_ISA_AVX2, T, k, x, ids, w, out);
                 e = rel_err(out, ref, T * H);
-                if (rc || !(e < 2e-2)) {
+                if (rc || !(e < 4e-2)) {   /* as tests/test_i8.py (8-bit tokens) */
                     fails++;
                     printf("FAIL moe (I8) types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
                 }

@@ -4,8 +4,9 @@
  *   - rows * n int8 values, tile-major: for each block of 32 rows and 64-value k-step ks, the
  *     block's 32 rows x 64 values at (block * n / 64 + ks) * 2048 + r * 64 (each 16-row A tile of a
  *     k-step is 1 KiB of contiguous memory, as ktk_amx_gemm_i8 loads it);
- *   - then f32 scales [rows][n / G]: row r, group g of G values (G = ktk_i8_group(n): 256, 128 or
- *     64, the largest that divides n), symmetric: value = q * scale, q in [-127, 127],
+ *   - then f32 scales [rows][n / G]: row r, group g of G values (G: a multiple of 64 that divides n,
+ *     at most KTK_I8_GMAX; by default ktk_i8_group(n): 256 for V2-Lite's n = 2048, 704 for its
+ *     down's 1408), symmetric: value = q * scale, q in [-127, 127],
  *     scale = max |w| / 127 over the group of the f32 dequantization's values w.
  * The expert's bytes are rounded up to 64 (ktk_i8_expert_bytes); experts are back to back.
  * Requantizing adds at most half a step (scale / 2) per value to the GGML type's own error.
@@ -18,13 +19,29 @@
 #include <math.h>
 #include <stdlib.h>
 
+/* Each group costs the tile GEMM a flush of its int32 sums into C (ktk_amx_gemm_i8): on the lent Xeon,
+ * a 32-row x 48-token block of K = 1408 took 3.2 us hot with G = 128 and 2.1 us with G = 704
+ * (scripts/amx_parts.c i8), for a layer error of 0.0093 against 0.0098 (nineteenth session). Groups
+ * of 256 or more keep that flush under a quarter of the tile work; groups much longer let one large
+ * value coarsen the steps of more of its neighbours. */
 int64_t ktk_i8_group(int64_t n) {
     if (n <= 0 || n % 64) return -1;
-    return n % 256 == 0 ? 256 : n % 128 == 0 ? 128 : 64;
+    for (int64_t G = 256; G <= KTK_I8_GMAX && G <= n; G += 64)
+        if (n % G == 0) return G;
+    for (int64_t G = 256 - 64; G > 64; G -= 64)
+        if (n % G == 0) return G;
+    return 64;
 }
 
-int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n) {
-    const int64_t G = ktk_i8_group(n);
+/* G itself (0: the default), or -1 where it does not fit n */
+static int64_t group_for(int64_t n, int64_t G) {
+    if (n <= 0 || n % 64) return -1;
+    if (G == 0) return ktk_i8_group(n);
+    return G >= 64 && G <= KTK_I8_GMAX && G % 64 == 0 && n % G == 0 ? G : -1;
+}
+
+int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n, int64_t G) {
+    G = group_for(n, G);
     if (G < 0 || rows < 32 || rows % 32) return -1;
     return (rows * n + rows * (n / G) * 4 + 63) / 64 * 64;
 }
@@ -63,7 +80,7 @@ static void repack_item(void *ctx, int phase, int64_t item, int tid) {
     const int64_t nb = c->rows / 32, e = item / nb, b = item % nb, NG = c->n / c->G;
     float *w = malloc((size_t)c->n * sizeof(float));
     if (!w) { c->fail = 1; return; }
-    int8_t *q = (int8_t *)(c->dst + e * c->es) + b * 32 * c->n, tmp[256];
+    int8_t *q = (int8_t *)(c->dst + e * c->es) + b * 32 * c->n, tmp[KTK_I8_GMAX];
     float *ws = (float *)(c->dst + e * c->es + c->rows * c->n);
     for (int r = 0; r < 32; r++) {
         const int64_t row = b * 32 + r;
@@ -77,13 +94,13 @@ static void repack_item(void *ctx, int phase, int64_t item, int tid) {
 }
 
 int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
-                  int64_t rows, int64_t n, uint8_t *dst) {
-    const int64_t es = ktk_i8_expert_bytes(rows, n);
+                  int64_t rows, int64_t n, int64_t G, uint8_t *dst) {
+    const int64_t es = ktk_i8_expert_bytes(rows, n, G);
     const ktk_kernels *K = ktk_kernels_for(ktk_best_isa());
     if (!src || !dst || es < 0 || n_experts < 1 || type < 0 || type >= KTK_NTYPES || !K || !K->dequant ||
         ktk_row_bytes(type, n) <= 0 || src_rb != ktk_row_bytes(type, n) || src_es < rows * src_rb)
         return KTK_EINVAL;
-    i8_ctx c = {K, type, src, src_rb, src_es, rows, n, ktk_i8_group(n), es, dst, 0};
+    i8_ctx c = {K, type, src, src_rb, src_es, rows, n, group_for(n, G), es, dst, 0};
     int64_t items = n_experts * (rows / 32);
     if (p && ktk_pool_run_async(p, repack_item, &c, 1, &items) == KTK_OK) {
         int rc = ktk_pool_wait(p);
@@ -94,9 +111,9 @@ int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int
     return c.fail ? KTK_ENOMEM : KTK_OK;
 }
 
-int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, float *dst) {
-    const int64_t G = ktk_i8_group(n);
-    if (!w || !dst || ktk_i8_expert_bytes(rows, n) < 0) return KTK_EINVAL;
+int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *dst) {
+    if (!w || !dst || ktk_i8_expert_bytes(rows, n, G) < 0) return KTK_EINVAL;
+    G = group_for(n, G);
     const int8_t *q = (const int8_t *)w;
     const float *ws = (const float *)(w + rows * n);
     for (int64_t r = 0; r < rows; r++)
@@ -115,7 +132,7 @@ static inline void put_quads(int8_t *pk, int64_t KS, int64_t tt, int t, int64_t 
 
 /* quant_group, the group's quads written straight to the B tiles */
 static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
-    int8_t tmp[256];
+    int8_t tmp[KTK_I8_GMAX];
     const float s = quant_group(w, G, tmp);
     for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
     return s;
@@ -147,8 +164,8 @@ static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_
 #define HAVE_TILES_512 1
 #endif
 
-void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int8_t *pk, float *ts) {
-    const int64_t G = ktk_i8_group(K), KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
+void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts) {
+    const int64_t KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
     static const int8_t zeros[16];
     float (*quant_tiles)(const float *, int64_t, int8_t *, int64_t, int64_t, int, int64_t) = quant_group_tiles_c;
 #if defined(HAVE_TILES_512)   /* the AMX path always has AVX-512; direct callers (the C drivers) may not */

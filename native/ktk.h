@@ -87,6 +87,7 @@ typedef struct {
      * each): on the AMX path with AMX-INT8, the grouped (prefill) experts multiply it with 8-bit
      * tiles instead of converting the GGML rows to bf16. Gate and up both or neither. */
     const uint8_t *gate_i8, *up_i8, *down_i8;
+    int64_t gate_i8_group, down_i8_group;  /* the copies' group sizes G (gate and up share one; 0: ktk_i8_group) */
 } ktk_moe_desc;
 
 typedef struct ktk_moe ktk_moe;
@@ -124,17 +125,20 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
 int ktk_r16_dequant(int type, const uint8_t *w, int64_t rows, int64_t n, float *dst);
 int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, int64_t T, const float *x, float *y);
 
-/* ---- I8 copies (i8.c): expert matrices requantized at load to int8 per row and group of G values
- * (G = ktk_i8_group(n): 256, 128 or 64, the largest dividing n; -1 if n % 64), tile-major, for
- * the AMX-INT8 prefill path (layout in i8.c). expert_bytes: one expert's bytes (-1 unless
- * rows % 32 == 0 and n % 64 == 0). repack: as ktk_r16_repack, from any GGML type with a
- * dequantization. dequant: one expert's copy -> dst [rows, n] f32 (the values the tiles multiply). */
+/* ---- I8 copies (i8.c): expert matrices requantized at load to int8 per row and group of G values,
+ * tile-major, for the AMX-INT8 prefill path (layout in i8.c). G: a multiple of 64 that divides n,
+ * at most KTK_I8_GMAX; 0 stands for ktk_i8_group(n), the default: the smallest such G >= 256 where
+ * that is <= 1024, else the largest below 256 (-1 if n % 64). expert_bytes: one expert's bytes (-1
+ * unless rows % 32 == 0, n % 64 == 0 and G fits n). repack: as ktk_r16_repack, from any GGML type
+ * with a dequantization. dequant: one expert's copy -> dst [rows, n] f32 (the values the tiles
+ * multiply). */
+#define KTK_I8_GMAX 1024
 int ktk_amx_int8_usable(void);
 int64_t ktk_i8_group(int64_t n);
-int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n);
+int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n, int64_t G);
 int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
-                  int64_t rows, int64_t n, uint8_t *dst);
-int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, float *dst);
+                  int64_t rows, int64_t n, int64_t G, uint8_t *dst);
+int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *dst);
 
 /* ---- stream-ordered jobs (hostjob.c): host functions of a CUDA stream, see that file ----
  * `ktk_host_submit(job)` posts the layer to the pool and returns; `ktk_host_sync(job)` waits.

@@ -68,6 +68,7 @@ struct ktk_moe {
     float *xs8, *hs8;
     int i8_gu, i8_dn;                                  /* gate/up, down from the I8 copies on AMX-INT8 tiles */
     int64_t i8_es_gu, i8_es_dn, npad;                  /* their bytes per expert; padded tokens of the packing */
+    int64_t i8_g_gu, i8_g_dn;                          /* their group sizes (the desc's, 0 resolved) */
     int i8_pf, i8_overlap;                             /* their tile GEMM's prefetch distance in k-steps; overlap */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
@@ -108,8 +109,9 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
                (d->down_r16 && (!ktk_r16_supported(d->down_type) || d->hidden % 16 || ktk_r16_row_bytes(d->down_type, d->inter) < 0))))
         e = KTK_EINVAL;
     /* I8 copies: gate and up both or neither, shapes the layout takes */
-    if (!e && ((d->gate_i8 != NULL) != (d->up_i8 != NULL) || (d->gate_i8 && ktk_i8_expert_bytes(d->inter, d->hidden) < 0) ||
-               (d->down_i8 && ktk_i8_expert_bytes(d->hidden, d->inter) < 0)))
+    if (!e && ((d->gate_i8 != NULL) != (d->up_i8 != NULL) ||
+               (d->gate_i8 && ktk_i8_expert_bytes(d->inter, d->hidden, d->gate_i8_group) < 0) ||
+               (d->down_i8 && ktk_i8_expert_bytes(d->hidden, d->inter, d->down_i8_group) < 0)))
         e = KTK_EINVAL;
     if (e) { if (err) *err = e; return NULL; }
     if (d->gate_r16 || d->down_r16) ktk_r16_init();
@@ -120,8 +122,10 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (!m->d.gate_es) m->d.gate_es = d->inter * d->gate_rb;
         if (!m->d.up_es) m->d.up_es = d->inter * d->up_rb;
         if (!m->d.down_es) m->d.down_es = d->hidden * d->down_rb;
-        m->i8_es_gu = d->gate_i8 ? ktk_i8_expert_bytes(d->inter, d->hidden) : 0;
-        m->i8_es_dn = d->down_i8 ? ktk_i8_expert_bytes(d->hidden, d->inter) : 0;
+        m->i8_es_gu = d->gate_i8 ? ktk_i8_expert_bytes(d->inter, d->hidden, d->gate_i8_group) : 0;
+        m->i8_es_dn = d->down_i8 ? ktk_i8_expert_bytes(d->hidden, d->inter, d->down_i8_group) : 0;
+        m->i8_g_gu = d->gate_i8_group ? d->gate_i8_group : ktk_i8_group(d->hidden);
+        m->i8_g_dn = d->down_i8_group ? d->down_i8_group : ktk_i8_group(d->inter);
         m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
         m->act = calloc((size_t)E, sizeof(int64_t)); m->tile_list = calloc((size_t)E, sizeof(int64_t));
         m->plain_list = calloc((size_t)E, sizeof(int64_t));
@@ -234,12 +238,12 @@ static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows,
 static inline int8_t *pk_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t e) {
     return (int8_t *)base + m->pk_off[e] * K;
 }
-static inline float *ts_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t e) {
-    return (float *)((int8_t *)base + m->npad * K) + m->pk_off[e] * (K / ktk_i8_group(K));
+static inline float *ts_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t G, int64_t e) {
+    return (float *)((int8_t *)base + m->npad * K) + m->pk_off[e] * (K / G);
 }
-static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t rows, int64_t K, int64_t r0,
+static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t rows, int64_t K, int64_t G, int64_t r0,
                        const int8_t *pk, const float *ts, int64_t nt, float *C) {
-    const int64_t G = ktk_i8_group(K), ldc = (nt + 15) / 16 * 16;
+    const int64_t ldc = (nt + 15) / 16 * 16;
     ktk_amx_gemm_i8((const int8_t *)w + r0 * K, (const float *)(w + rows * K) + r0 * (K / G), K, G, pk, ts, nt, C, ldc,
                     (int32_t *)s->wb, m->i8_pf, m->i8_overlap);
     s->ct = 1; s->cr = ldc;
@@ -255,9 +259,9 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (!s.wf) return;
         if (m->i8_gu) {
             const int8_t *pk = pk_i8(m, m->xpk, H, e);
-            const float *ts = ts_i8(m, m->xpk, H, e);
-            grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, r0, pk, ts, n, s.c0);
-            grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, r0, pk, ts, n, s.c1);
+            const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e);
+            grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c0);
+            grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c1);
         } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
             grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
@@ -396,7 +400,8 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             if (!s.wf) s = get_scratch(m, tid);
             if (!s.wf) return;
             if (m->i8_dn) {
-                grouped_i8(m, &s, d->down_i8 + e * m->i8_es_dn, H, I, r0, pk_i8(m, m->hpk, I, e), ts_i8(m, m->hpk, I, e), n, s.c0);
+                grouped_i8(m, &s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
+                           ts_i8(m, m->hpk, I, m->i8_g_dn, e), n, s.c0);
             } else if (m->amx) {
                 int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
                 while (a1 < m->nact && !m->tile[m->act[a1]]) a1++;
@@ -454,7 +459,9 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
         { int64_t e = m->tile_list[item - m->nq0];
           TR_START();
-          if (m->i8_gu) ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, e));
+          if (m->i8_gu)
+              ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
+                                ts_i8(m, m->xpk, H, m->i8_g_gu, e));
           else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
           else if (m->vnni_gu)
               m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
@@ -471,7 +478,9 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         }
         { int64_t e = m->tile_list[item - m->nplain];
           TR_START();
-          if (m->i8_dn) ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, pk_i8(m, m->hpk, I, e), ts_i8(m, m->hpk, I, e));
+          if (m->i8_dn)
+              ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, m->i8_g_dn, pk_i8(m, m->hpk, I, e),
+                                ts_i8(m, m->hpk, I, m->i8_g_dn, e));
           else if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
           else if (m->vnni_dn)
               m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);

@@ -234,16 +234,17 @@ int main(void) {
          * GGML's; the token packing of 33 tokens (3 tiles); on AMX-INT8 the layer on the copies near
          * the GGUF rows' at batch 48; bad arguments and descriptors refused */
         const int itypes[3] = {KTK_Q4_K, KTK_Q8_0, KTK_BF16};
-        const int64_t esg = ktk_i8_expert_bytes(I, H), esd = ktk_i8_expert_bytes(H, I);
         for (int ti = 0; ti < 3; ti++) {
             int t = itypes[ti];
+            const int64_t dg = ti == 1 ? 64 : 0;   /* the down's group: the default, or 64 */
+            const int64_t esg = ktk_i8_expert_bytes(I, H, 0), esd = ktk_i8_expert_bytes(H, I, dg);
             int64_t rbh = ktk_row_bytes(t, H), rbi = ktk_row_bytes(t, I);
             uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));
             uint8_t *gi = malloc((size_t)(E * esg)), *ui = malloc((size_t)(E * esg)), *di = malloc((size_t)(E * esd));
             float *dq = malloc((size_t)(I * H) * sizeof(float)), row[256];
             fill(t, g, E * I, H); fill(t, u, E * I, H); fill(t, dn, E * H, I);
-            int bad = ktk_i8_repack(pool, t, g, rbh, I * rbh, E, I, H, gi) || ktk_i8_repack(NULL, t, u, rbh, I * rbh, E, I, H, ui) ||
-                      ktk_i8_repack(pool, t, dn, rbi, H * rbi, E, H, I, di) || ktk_i8_dequant(gi + (E - 1) * esg, I, H, dq);
+            int bad = ktk_i8_repack(pool, t, g, rbh, I * rbh, E, I, H, 0, gi) || ktk_i8_repack(NULL, t, u, rbh, I * rbh, E, I, H, 0, ui) ||
+                      ktk_i8_repack(pool, t, dn, rbi, H * rbi, E, H, I, dg, di) || ktk_i8_dequant(gi + (E - 1) * esg, I, H, 0, dq);
             const float *ws = (const float *)(gi + (E - 1) * esg + I * H);
             for (int r = 0; r < I && !bad; r++) {
                 ktk_dequant_row(t, g + ((E - 1) * I + r) * rbh, row, H);
@@ -256,12 +257,12 @@ int main(void) {
                 const float *xp[33];
                 for (int i = 0; i < 33 * 256; i++) x[i] = frand();
                 for (int j = 0; j < 33; j++) xp[j] = x + j * 256;
-                ktk_amx_pack_x_i8(xp, 33, 256, pk, ts);
+                ktk_amx_pack_x_i8(xp, 33, 256, 256, pk, ts);
                 if (ts[2 * 16 + 1] != 0.f || pk[2 * 4096 + 5] != 0) { fprintf(stderr, "pack_x_i8 padding\n"); fails++; }
                 free(pk); free(ts);
             }
-            ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, gi, ui, di};
-            ktk_moe_desc plain = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL};
+            ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, gi, ui, di, 0, dg};
+            ktk_moe_desc plain = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
             int err = 0;
             ktk_moe *m = ktk_moe_new(&d, &err), *mp = ktk_moe_new(&plain, &err);
             if (!m || !mp) { fprintf(stderr, "I8 type %d: moe_new %d\n", t, err); fails++; }
@@ -275,13 +276,18 @@ int main(void) {
                 fprintf(stderr, "I8 type %d: layer differs\n", t); fails++;
             }
             ktk_moe_free(m); ktk_moe_free(mp);
+            d.down_i8_group = 96;                          /* a group that does not fit the down's rows: refused */
+            if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "I8 down group 96 accepted\n"); fails++; }
+            d.down_i8_group = dg;
             d.up_i8 = NULL;                                /* gate without up: refused */
             if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "I8 gate without up accepted\n"); fails++; }
-            if (ktk_i8_repack(NULL, t, g, rbh, I * rbh, E, 16, H, gi) != KTK_EINVAL ||          /* rows % 32 */
-                ktk_i8_repack(NULL, t, g, rbh + 1, I * rbh, E, I, H, gi) != KTK_EINVAL ||      /* row bytes */
-                ktk_i8_repack(NULL, t, g, rbh, rbh, E, I, H, gi) != KTK_EINVAL ||              /* overlapping experts */
-                ktk_i8_repack(NULL, 99, g, rbh, I * rbh, E, I, H, gi) != KTK_EINVAL ||         /* no such type */
-                ktk_i8_dequant(gi, 16, H, dq) != KTK_EINVAL) {
+            if (ktk_i8_repack(NULL, t, g, rbh, I * rbh, E, 16, H, 0, gi) != KTK_EINVAL ||          /* rows % 32 */
+                ktk_i8_repack(NULL, t, g, rbh + 1, I * rbh, E, I, H, 0, gi) != KTK_EINVAL ||      /* row bytes */
+                ktk_i8_repack(NULL, t, g, rbh, rbh, E, I, H, 0, gi) != KTK_EINVAL ||              /* overlapping experts */
+                ktk_i8_repack(NULL, 99, g, rbh, I * rbh, E, I, H, 0, gi) != KTK_EINVAL ||         /* no such type */
+                ktk_i8_repack(NULL, t, g, rbh, I * rbh, E, I, H, 192, gi) != KTK_EINVAL ||    /* G does not divide H */
+                ktk_i8_dequant(gi, I, H, 2048, dq) != KTK_EINVAL ||                           /* G longer than the row */
+                ktk_i8_dequant(gi, 16, H, 0, dq) != KTK_EINVAL) {
                 fprintf(stderr, "I8 type %d: bad arguments accepted\n", t); fails++;
             }
             free(g); free(u); free(dn); free(gi); free(ui); free(di); free(dq);

@@ -13,6 +13,8 @@
  *   /tmp/amx_parts gap          (gemm once fast, after gaps of spinning or conversions between calls)
  *   /tmp/amx_parts duty         (gemm speed over time: mixed with conversions, alone, mixed again)
  *   /tmp/amx_parts data [K]     (gemm on rows of different data; the layer's item sequence on one thread)
+ *   /tmp/amx_parts i8           (the AMX-INT8 GEMM of I8 copies by K, group size and tokens, hot and
+ *                                cold, beside the bf16 GEMM of the same block)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #include "ktk_int.h"
@@ -408,12 +410,65 @@ static int layer(int nthreads) {
 }
 #endif
 
+/* "i8": ktk_amx_gemm_i8 on 32 rows of an I8 copy (random int8 values and scales; any group size G
+ * that is a multiple of 64 dividing K, since the GEMM takes G as an argument), hot (one block, in L1/L2)
+ * and cold (a fresh block of a 256 MiB set each call, as the layer's first pass over the tokens reads
+ * them), beside the bf16 tile GEMM of the same shape (the bench's tile probe is its 48-token row). */
+static int i8(void) {
+    const int64_t Ks[] = {2048, 1408}, COLD = 2048;
+    const int ntoks[] = {16, 32, 48, 64, 96};
+    int32_t *ci = aligned_alloc(64, 4096);
+    for (int ki = 0; ki < 2; ki++) {
+        const int64_t K = Ks[ki], KS = K / 64;
+        int8_t *A = aligned_alloc(64, (size_t)(32 * K * COLD));
+        for (int64_t i = 0; i < 32 * K * COLD; i++) A[i] = (int8_t)(((uint64_t)i * 2654435761u >> 13) % 255 - 127);
+        float *ws = aligned_alloc(64, 32 * KS * 4);
+        for (int64_t i = 0; i < 32 * KS; i++) ws[i] = 1e-3f * (1 + i % 7);
+        uint16_t *wt = aligned_alloc(64, (size_t)(32 * 2 * 2048));
+        for (int64_t i = 0; i < 32 * K; i++) wt[i] = 0x3f80 + (uint16_t)(i % 64);
+        for (int ni = 0; ni < 5; ni++) {
+            const int64_t nt = ntoks[ni], ntt = (nt + 15) / 16, ldc = ntt * 16;
+            int8_t *pk = aligned_alloc(64, ntt * KS * 1024);
+            for (int64_t i = 0; i < ntt * KS * 1024; i++) pk[i] = (int8_t)((i * 7919) % 255 - 127);
+            float *ts = aligned_alloc(64, ntt * KS * 16 * 4), *C = aligned_alloc(64, 32 * ldc * 4);
+            for (int64_t i = 0; i < ntt * KS * 16; i++) ts[i] = 1e-2f;
+            uint16_t *pb = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+            for (int64_t i = 0; i < ktk_amx_pack_x_elems(nt, K); i++) pb[i] = 0x3f80;
+            const double bf = gemm_time(wt, K, pb, nt, C, ldc, 1000, 3);
+            printf("K=%ld tokens %ld: bf16 gemm hot %.2f us (%.2f TFLOPS)\n", (long)K, (long)nt, bf * 1e6,
+                   2.0 * 32 * nt * K / bf * 1e-12);
+            for (int64_t G = 64; G <= K; G += 64) {
+                if (K % G || (G != 128 && G != 256 && G != 512 && G != 704 && G != K)) continue;
+                for (int cold = 0; cold < 2; cold++) {   /* cold: the rows from memory, prefetched 8 k-steps ahead */
+                    const int reps = cold ? (int)COLD : 1000, pf = cold ? 8 : 0;
+                    ktk_amx_gemm_i8(A, ws, K, G, pk, ts, nt, C, ldc, ci, pf, 1);
+                    double best = 1e30;
+                    for (int rep = 0; rep < 3; rep++) {
+                        double t0 = now();
+                        for (int i = 0; i < reps; i++)
+                            ktk_amx_gemm_i8(A + (cold ? (int64_t)i * 32 * K : 0), ws, K, G, pk, ts, nt, C, ldc, ci, pf, 1);
+                        double dt = (now() - t0) / reps;
+                        if (dt < best) best = dt;
+                    }
+                    printf("K=%ld tokens %ld G=%ld %s: i8 gemm %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K, (long)nt,
+                           (long)G, cold ? "cold" : "hot ", best * 1e6, 2.0 * 32 * nt * K / best * 1e-12, bf / best);
+                }
+            }
+            free(pk); free(ts); free(C); free(pb);
+        }
+        free(A); free(ws); free(wt);
+    }
+    free(ci);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
 #if defined(KTK_LAYER_TRACE)
     if (argc > 1 && !strcmp(argv[1], "layer")) return layer(argc > 2 ? atoi(argv[2]) : 16);
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
+    if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
     if (argc > 1 && !strcmp(argv[1], "gap")) return gap();

@@ -7,7 +7,10 @@
 # Usage, from the repository root: bash scripts/device_int8.sh
 # (ROUNDS="1 2 3", THREAD_SWEEP="8 15" or "", NO_AVX512=1, TRACE=--trace: per-phase times; NO_ERROR=1;
 #  PF_SWEEP="0 4 8": only the I8 GEMM at these prefetch distances, twice over; OVERLAP_AB=1: its scaling
-#  overlapped with the next group's tile work or not, three times over)
+#  overlapped with the next group's tile work or not, three times over; GROUP_AB="256,128 256,704": the
+#  I8 copies' group sizes (gate/up,down: --int8-group), alternating, twice over, then their errors;
+#  AB_ENV="KTINJECT_AMX_PREFETCH_NEXT=1 KTINJECT_AMX_PREFETCH_NEXT=0": the I8 layer under each setting,
+#  alternating, twice over; PARTS=1: first scripts/amx_parts.c i8 on one core)
 set -o pipefail
 DEFAULT_OUT=int8_out
 . scripts/device_env.sh
@@ -20,8 +23,23 @@ line() {   # label isa threads quants [bench flags]
     --seconds ${SECONDS_PER:-1.5} --rounds 2 --isa $isa --json "$@" 2>>"$OUT/bench.err" | python3 -c "import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
-    print('$label', {k: r.get(k) for k in ('quant', 'threads', 'int8_prefill', 'ms_per_layer', 'tflops', 'amx_probe_us', 'trace_us')} if r else l.rstrip()[:300])" | tee -a "$OUT/layers.txt"
+    print('$label', {k: r.get(k) for k in ('quant', 'threads', 'int8_prefill', 'int8_group', 'ms_per_layer', 'tflops', 'amx_probe_us', 'trace_us')} if r else l.rstrip()[:300])" | tee -a "$OUT/layers.txt"
 }
+if [ -n "${PARTS:-}" ]; then   # the I8 GEMM alone: hot, cold, cold with the next block prefetched
+  gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
+    -o /tmp/amx_parts 2>/dev/null && taskset -c 2 /tmp/amx_parts i8 > "$OUT/parts_i8.txt"
+  grep -E "tokens (48|96)" "$OUT/parts_i8.txt" | grep -E "G=(256|704)"
+fi
+if [ -n "${AB_ENV:-}" ]; then   # A/B of environment settings on the I8 layer, alternating
+  for round in 1 2; do
+    for e in $AB_ENV; do (export "$e"; line "amx-int8 $e r$round" amx ${AB_THREADS:-16} q4_k,bf16 --int8 $TRACE); done
+  done
+fi
+if [ -n "${GROUP_AB:-}" ]; then   # A/B of the I8 copies' group sizes, alternating
+  for round in 1 2; do
+    for gg in $GROUP_AB; do line "amx-int8 g$gg r$round" amx ${GROUP_THREADS:-16} q4_k,bf16 --int8 --int8-group ${gg/,/ } $TRACE; done
+  done
+fi
 if [ -n "${OVERLAP_AB:-}" ]; then   # A/B of the I8 GEMM's overlapped scaling, alternating
   for round in 1 2 3; do
     for ov in 1 0; do KTINJECT_AMX_I8_OVERLAP=$ov line "amx-int8 overlap$ov r$round" amx 16 q4_k,bf16 --int8; done
@@ -44,6 +62,7 @@ for th in ${THREAD_SWEEP-8 15}; do
   line "amx-bf16 t$th" amx $th q4_k,bf16
 done
 [ -n "${NO_ERROR:-}" ] || timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/error.txt"
+import os
 import sys
 import torch
 sys.path.insert(0, "tests")
@@ -61,8 +80,11 @@ for q in ("q4_k", "bf16"):
     pool = native.Pool(16)
     deq = [native.dequant_rows(pool, m.ggml_type, m.data, m.cols).reshape(E, m.rows, m.cols) for m in (g, u, d)]
     ref = ref_moe(x, ids, w, *deq)
+    groups = [tuple(int(v) for v in gg.split(",")) for gg in os.environ.get("GROUP_AB", "").split()]
     for name, kw in (("avx512 8-bit tokens", {"isa": "avx512"}), ("amx bf16 tiles", {"isa": "amx"}),
-                     ("amx int8 tiles", {"isa": "amx", "int8_prefill": True})):
+                     ("amx int8 tiles", {"isa": "amx", "int8_prefill": True}),
+                     *((f"amx int8 tiles, groups {gg}", {"isa": "amx", "int8_prefill": True, "int8_group": gg})
+                       for gg in groups)):
         out = native.MoEKernel(g, u, d, pool=pool, **kw)(x, ids, w)
         print(q, name, "relative error vs float64:", round(float((out.double() - ref.double()).norm() / ref.double().norm()), 5))
 PY

@@ -49,7 +49,9 @@ def nmoe_group(n: int) -> int:
 
 
 def test_group_and_shape_rules():
-    assert [nmoe_group(n) for n in (2048, 1408, 192, 7168, 32, 100)] == [256, 128, 64, 256, -1, -1]
+    # a multiple of 64 dividing n: the smallest >= 256 up to 1024, else the largest below 256
+    ns = (2048, 1408, 192, 7168, 768, 320, 2944, 32, 100)
+    assert [nmoe_group(n) for n in ns] == [256, 704, 192, 256, 256, 320, 128, -1, -1]
     assert native.i8_expert_bytes(48, 256) == -1 and native.i8_expert_bytes(64, 96) == -1
     w = rand_rows(QT.Q8_0, 48, 256)
     with pytest.raises(NativeError, match="no I8 copy for 48 rows of 256 values"):
@@ -61,6 +63,42 @@ def test_group_and_shape_rules():
         native.repack_i8(r16)
     with pytest.raises(NativeError, match="i8_dequant: expected a contiguous uint8 tensor"):
         native.i8_dequant(torch.zeros(10, dtype=torch.uint8), 64, 256)
+
+
+@pytest.mark.parametrize("group", [64, 128, 704])
+def test_copy_with_a_chosen_group(group):
+    """A group size other than the default: the layout's bytes, every value within half a step of its
+    own group's scale, and the reader taking the same group."""
+    E, rows, n = 2, 32, 1408
+    w = rand_rows(QT.Q5_0, E * rows, n, seed=5)
+    cp = native.repack_i8(native.ExpertMatrix(int(QT.Q5_0), w, E, rows, n, "down"), group=group)
+    es = native.i8_expert_bytes(rows, n, group)
+    assert cp.numel() == E * es and es == (rows * n + rows * (n // group) * 4 + 63) // 64 * 64
+    ref = dequant(QT.Q5_0, w, n).reshape(E, rows, n)
+    for e in range(E):
+        got = native.i8_dequant(cp[e * es:(e + 1) * es], rows, n, group)
+        step = ref[e].abs().reshape(rows, n // group, group).amax(-1) / 127
+        err = (got - ref[e]).abs().reshape(rows, n // group, group)
+        assert (err <= step[..., None] * 0.5 * (1 + 1e-5) + 1e-30).all(), (group, e)
+
+
+def test_group_refusals_name_the_sizes_that_fit():
+    assert nmoe.i8_groups_for(1408) == [64, 128, 704] and nmoe.i8_groups_for(2048) == [64, 128, 256, 512, 1024]
+    lib, _ = native.load()
+    assert nmoe.I8_GMAX == lib.KTK_I8_GMAX
+    w = native.ExpertMatrix(int(QT.Q8_0), rand_rows(QT.Q8_0, 32, 1408), 1, 32, 1408, "blk.0.ffn_down_exps")
+    with pytest.raises(NativeError, match=r"blk.0.ffn_down_exps: int8 group size 256 does not fit rows of 1408 "
+                                          r"values: .* \(here: 64, 128, 704; 0: the default, 704\)"):
+        native.repack_i8(w, group=256)
+    with pytest.raises(NativeError, match="int8 group size must be an integer, got '128'"):
+        native.repack_i8(w, group="128")
+    with pytest.raises(NativeError, match="i8_dequant: int8 group size 96 does not fit"):
+        native.i8_dequant(torch.zeros(10, dtype=torch.uint8), 32, 1408, 96)
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q8_0, E=2, H=256, I=512)
+    with pytest.raises(NativeError, match=r"int8_group for down \(.*\): int8 group size 1024 does not fit rows of 512"):
+        native.MoEKernel(gate, up, down, threads=1, int8_group=(256, 1024))
+    with pytest.raises(NativeError, match="int8_group: expected one group size or a pair"):
+        native.MoEKernel(gate, up, down, threads=1, int8_group=[64, 64, 64])
 
 
 def test_copy_follows_stride_and_offset():
@@ -110,6 +148,9 @@ def test_moe_kernel_int8_on_amx(qt, dqt, T, monkeypatch):
     assert rel_err(out, ref) < 4e-2, (qt.name, T)   # measured 0.021-0.029 at T = 40, 100 (H = 256, I = 512)
     if T == 1:
         assert torch.equal(out, plain(x, ids, w))
+    small = native.MoEKernel(gate, up, down, threads=3, isa="amx", int8_prefill=True, int8_group=(64, 128))
+    assert kern.int8_groups == (256, 256) and small.int8_groups == (64, 128)
+    assert rel_err(small(x, ids, w), ref) < 4e-2, (qt.name, T)
 
 
 def test_cpu_experts_int8_prefill_option():
@@ -118,6 +159,30 @@ def test_cpu_experts_int8_prefill_option():
     assert Op.Options().int8_prefill is False and Op.Options(int8_prefill=True).int8_prefill is True
     with pytest.raises(ValueError, match="int8_prefill must be true or false, got 'yes'"):
         Op.Options(int8_prefill="yes")
+    assert Op.Options().int8_group == 0 and Op.Options(int8_group=[256, 704]).int8_group == (256, 704)
+    for bad in (100, "256", [256], [256, 704, 64], True, -64):
+        with pytest.raises(ValueError, match="int8_group must be 0 .* a multiple of 64, or a pair"):
+            Op.Options(int8_group=bad)
+    from ktinject.errors import RuleError
+    from ktinject.operators.registry import make_options
+    assert make_options(Op, {"int8_prefill": True, "int8_group": [256, 704]}).int8_group == (256, 704)
+    with pytest.raises(RuleError, match="int8_group must be") as exc:
+        make_options(Op, {"int8_group": 100}, file="rules.yaml", line=3)
+    assert "rules.yaml" in str(exc.value) and "3" in str(exc.value)
+
+
+def test_bench_int8_group_flag():
+    import argparse
+    from ktinject.cli.bench import _int8_group_flag
+    from ktinject.errors import KtInjectError
+    ns = argparse.Namespace
+    assert _int8_group_flag(ns(int8=True, int8_group=None), 2048, 1408) == (0, 0)
+    assert _int8_group_flag(ns(int8=True, int8_group=[128]), 2048, 1408) == (128, 128)
+    assert _int8_group_flag(ns(int8=True, int8_group=[512, 704]), 2048, 1408) == (512, 704)
+    with pytest.raises(KtInjectError, match="add --int8"):
+        _int8_group_flag(ns(int8=False, int8_group=[128]), 2048, 1408)
+    with pytest.raises(KtInjectError, match=r"--int8-group for down \(--inter 1408\): int8 group size 512 does not fit"):
+        _int8_group_flag(ns(int8=True, int8_group=[512]), 2048, 1408)
 
 
 def test_bench_counts_the_bytes_each_path_reads():

@@ -69,6 +69,10 @@ def add_arguments(p) -> None:
     g.add_argument("--int8", action="store_true",
                    help="give every layer I8 copies (weights requantized to 8 bits per row and group of values) "
                         "for the AMX-INT8 prefill path (cpu_experts option int8_prefill); decode still reads GGUF rows")
+    g.add_argument("--int8-group", type=int, nargs="+", default=None, metavar="G",
+                   help="with --int8: the copies' group sizes, one for gate/up and down alike or two (gate/up, "
+                        "down); multiples of 64 that divide the rows (default: 256 for V2-Lite's gate/up, 704 for "
+                        "its down; cpu_experts option int8_group)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
                    "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts, "
@@ -189,6 +193,23 @@ def _check_experts_flags(args, quants, batches, threads_list) -> None:
                                 f"is {human_bytes(layer)}, more than the {human_bytes(avail)} of memory available")
 
 
+def _int8_group_flag(args, H: int, I: int) -> tuple[int, int]:
+    """--int8-group as (gate/up, down) group sizes (0: the default), checked against the shape."""
+    from ..native import moe
+    if args.int8_group is not None and not args.int8:
+        raise KtInjectError("--int8-group sizes the I8 copies of --int8; add --int8")
+    g = args.int8_group or [0]
+    if len(g) > 2:
+        raise KtInjectError(f"--int8-group takes one or two sizes (gate/up, down), got {len(g)}")
+    g_gu, g_dn = (g[0], g[0]) if len(g) == 1 else (g[0], g[1])
+    try:
+        moe.check_i8_group(g_gu, H, f"--int8-group for gate/up (--hidden {H})")
+        moe.check_i8_group(g_dn, I, f"--int8-group for down (--inter {I})")
+    except NativeError as exc:
+        raise KtInjectError(str(exc)) from None
+    return g_gu, g_dn
+
+
 def bench_experts(args) -> int:
     import torch
     from .. import native
@@ -204,6 +225,7 @@ def bench_experts(args) -> int:
     batches, threads_list = _ints(args.batch), _ints(args.threads)
     E, H, I, k = args.experts, args.hidden, args.inter, args.topk
     _check_experts_flags(args, quants, batches, threads_list)
+    groups = _int8_group_flag(args, H, I)
     isa_name = native.ISAS[native.isa_index(args.isa)]
     if args.trace:
         os.environ["KTINJECT_POOL_TRACE"] = "1"          # read when a pool is created
@@ -215,10 +237,10 @@ def bench_experts(args) -> int:
         for nth in threads_list:
             pool = Pool(nth)
             probe = Probe(pool, int(args.probe_gib * GIB))
-            kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa, int8_prefill=True if args.int8 else None)
-                       for g, u, d in layers]
+            kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa, int8_prefill=True if args.int8 else None,
+                                 int8_group=groups) for g, u, d in layers]
             int8 = bool(kernels[0].int8_copies)
-            i8_bytes = 2 * native.i8_expert_bytes(I, H) + native.i8_expert_bytes(H, I)
+            i8_bytes = 2 * native.i8_expert_bytes(I, H, groups[0]) + native.i8_expert_bytes(H, I, groups[1])
             if args.int8 and not int8:
                 raise KtInjectError("--int8: no I8 copies were made (the log says why); they need the amx path "
                                     "on a CPU with AMX-INT8")
@@ -245,7 +267,8 @@ def bench_experts(args) -> int:
                 gbps = bytes_read / el / 1e9
                 flops = 2.0 * 3 * H * I * T * k
                 row = {"quant": qt.name.lower(), "down_quant": dqt.name.lower(), "batch": T, "threads": pool.threads, "isa": isa_name,
-                       "caller": args.caller, "int8_prefill": int8, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
+                       "caller": args.caller, "int8_prefill": int8,
+                       "int8_group": list(kernels[0].int8_groups) if int8 else None, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
                        "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
                        "rounds": [{"bandwidth_gbps": round(b, 2), "gbps": round(nb / t / 1e9, 2),
                                    "fraction": round(nb / t / 1e9 / b, 3)} for b, t, _, nb in rounds],

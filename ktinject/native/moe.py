@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -198,24 +198,50 @@ def repack_mode(isa: int, repack: Optional[bool]) -> str:
 
 
 ENV_INT8 = "KTINJECT_AMX_INT8"
+I8_GMAX = 1024   # native/ktk.h KTK_I8_GMAX: the longest group of an I8 copy
 
 
-def i8_expert_bytes(rows: int, cols: int) -> int:
-    """Bytes of one expert's I8 copy (native/i8.c), or -1 where the layout does not take the shape
-    (rows % 32, cols % 64)."""
+def i8_group(cols: int) -> int:
+    """The default group size of an I8 copy of rows of `cols` values (native/i8.c's ktk_i8_group): the
+    smallest multiple of 64 that divides cols and is at least 256, where that is at most 1024, else
+    the largest below 256 (V2-Lite: 256 for gate/up's 2048, 704 for down's 1408); -1 if cols % 64."""
     lib, _ = load()
-    return int(lib.ktk_i8_expert_bytes(int(rows), int(cols)))
+    return int(lib.ktk_i8_group(int(cols)))
 
 
-def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None) -> torch.Tensor:
+def i8_groups_for(cols: int) -> list[int]:
+    """Every group size an I8 copy of rows of `cols` values can take."""
+    return [g for g in range(64, I8_GMAX + 1, 64) if cols % g == 0]
+
+
+def check_i8_group(group: int, cols: int, what: str) -> None:
+    """Raise a NativeError naming `what` unless `group` (0: the default) fits rows of `cols` values."""
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise NativeError(f"{what}: int8 group size must be an integer, got {group!r}")
+    if group and group not in i8_groups_for(cols):
+        raise NativeError(f"{what}: int8 group size {group} does not fit rows of {cols} values: it must be a "
+                          f"multiple of 64 that divides {cols}, at most {I8_GMAX} (here: "
+                          f"{', '.join(map(str, i8_groups_for(cols))) or 'none'}; 0: the default, {i8_group(cols)})")
+
+
+def i8_expert_bytes(rows: int, cols: int, group: int = 0) -> int:
+    """Bytes of one expert's I8 copy (native/i8.c) with groups of `group` values (0: `i8_group`), or
+    -1 where the layout does not take the shape (rows % 32, cols % 64, a group that does not fit)."""
+    lib, _ = load()
+    return int(lib.ktk_i8_expert_bytes(int(rows), int(cols), int(group)))
+
+
+def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None, group: int = 0) -> torch.Tensor:
     """The experts of `m` requantized to 8 bits for the AMX-INT8 prefill path: a uint8 tensor of
-    E * i8_expert_bytes(rows, cols) bytes (layout in native/i8.c: int8 per row and group of 256, 128
-    or 64 values with an f32 scale each, at most half a step from GGML's values)."""
+    E * i8_expert_bytes(rows, cols, group) bytes (layout in native/i8.c: int8 per row and group of
+    `group` values, 0: `i8_group(cols)`, with an f32 scale each, at most half a step from GGML's
+    values)."""
     m.validate()
     if m.layout != "gguf":
         raise NativeError(f"{m.name or 'expert matrix'}: I8 copies are made from GGUF rows, not {m.layout!r} ones")
+    check_i8_group(group, m.cols, m.name or "expert matrix")
     lib, ffi = load()
-    es = i8_expert_bytes(m.rows, m.cols)
+    es = i8_expert_bytes(m.rows, m.cols, group)
     if es < 0:
         raise NativeError(f"{m.name or 'expert matrix'}: no I8 copy for {m.rows} rows of {m.cols} values "
                           f"(needs rows % 32 == 0 and cols % 64 == 0)")
@@ -223,20 +249,33 @@ def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None) -> torch.Tensor:
     rb = m.data.shape[1]
     src = ffi.cast("uint8_t *", m.data.data_ptr() + m.offset * rb)
     check(lib.ktk_i8_repack(pool.ptr if pool is not None else ffi.NULL, int(m.ggml_type), src, rb,
-                            m.expert_stride * rb, m.n_experts, m.rows, m.cols, _ptr(ffi, out, "uint8_t *")),
+                            m.expert_stride * rb, m.n_experts, m.rows, m.cols, group, _ptr(ffi, out, "uint8_t *")),
           f"i8_repack {m.name or ''}".strip())
     return out
 
 
-def i8_dequant(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """One expert's I8 copy (uint8, i8_expert_bytes(rows, cols) bytes) to f32 [rows, cols]: the values
-    the AMX-INT8 tiles multiply."""
+def i8_dequant(w: torch.Tensor, rows: int, cols: int, group: int = 0) -> torch.Tensor:
+    """One expert's I8 copy (uint8, i8_expert_bytes(rows, cols, group) bytes) to f32 [rows, cols]: the
+    values the AMX-INT8 tiles multiply."""
     lib, ffi = load()
-    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != i8_expert_bytes(rows, cols):
-        raise NativeError(f"i8_dequant: expected a contiguous uint8 tensor of {i8_expert_bytes(rows, cols)} bytes")
+    check_i8_group(group, cols, "i8_dequant")
+    es = i8_expert_bytes(rows, cols, group)
+    if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != es:
+        raise NativeError(f"i8_dequant: expected a contiguous uint8 tensor of {es} bytes")
     out = torch.empty(rows, cols, dtype=torch.float32)
-    check(lib.ktk_i8_dequant(_ptr(ffi, w, "uint8_t *"), rows, cols, _ptr(ffi, out, "float *")), "i8_dequant")
+    check(lib.ktk_i8_dequant(_ptr(ffi, w, "uint8_t *"), rows, cols, group, _ptr(ffi, out, "float *")), "i8_dequant")
     return out
+
+
+def _int8_groups(int8_group: Union[int, Sequence[int], None]) -> tuple[int, int]:
+    """`int8_group` as (gate/up, down): None or 0 -> (0, 0); one int -> both; a pair as given."""
+    if int8_group is None:
+        return 0, 0
+    if isinstance(int8_group, (list, tuple)):
+        if len(int8_group) != 2:
+            raise NativeError(f"int8_group: expected one group size or a pair (gate/up, down), got {list(int8_group)}")
+        return int8_group[0], int8_group[1]
+    return int8_group, int8_group
 
 
 def int8_mode(int8_prefill: Optional[bool]) -> bool:
@@ -262,11 +301,13 @@ class MoEKernel:
     row and group) which the grouped (prefill) path multiplies with 8-bit tiles, its tokens quantized
     per token and group as well, instead of converting the GGUF rows to bf16 tiles on every call
     (`int8_copies` names them). Decode keeps reading the GGUF rows (or R16 copies).
+    `int8_group`: the copies' group sizes: 0 or None (`i8_group` of each), one int for gate/up and
+    down alike, or a pair (gate/up, down); each must fit its rows (`check_i8_group`).
     """
 
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
                  pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None,
-                 int8_prefill: Optional[bool] = None):
+                 int8_prefill: Optional[bool] = None, int8_group: Union[int, Sequence[int], None] = None):
         lib, ffi = load()
         for m in (gate, up, down):
             m.validate()
@@ -277,6 +318,9 @@ class MoEKernel:
         if H % 32 or I % 32:
             raise NativeError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32")
         self.n_experts, self.hidden, self.inter = E, H, I
+        g_gu, g_dn = _int8_groups(int8_group)
+        check_i8_group(g_gu, H, f"int8_group for gate/up ({gate.name or 'gate'})")
+        check_i8_group(g_dn, I, f"int8_group for down ({down.name or 'down'})")
         self.isa = isa_index(isa)
         self.pool = pool or default_pool(threads)
         for m in (gate, up, down):
@@ -314,17 +358,19 @@ class MoEKernel:
             why = None
             if self.isa != ISAS.index("amx") or not lib.ktk_amx_int8_usable():
                 why = f"the {ISAS[self.isa]} path is in use" if self.isa != ISAS.index("amx") else "this CPU has no AMX-INT8"
-            elif i8_expert_bytes(I, H) < 0 or i8_expert_bytes(H, I) < 0:
+            elif i8_expert_bytes(I, H, g_gu) < 0 or i8_expert_bytes(H, I, g_dn) < 0:
                 why = f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 64"
             else:
-                nbytes = E * (2 * i8_expert_bytes(I, H) + i8_expert_bytes(H, I))
+                nbytes = E * (2 * i8_expert_bytes(I, H, g_gu) + i8_expert_bytes(H, I, g_dn))
                 if not _ram_allows(nbytes):
                     why = f"the copies need {nbytes / 2**20:.0f} MiB, more than this machine has to spare"
             if why:
                 _warn_once(f"int8 prefill: off: {why}; prefill converts the GGUF rows to bf16 tiles instead")
             else:
-                self.i8 = {name: repack_i8(m, self.pool) for name, m in (("gate", gate), ("up", up), ("down", down))}
+                self.i8 = {name: repack_i8(m, self.pool, g) for name, m, g in
+                           (("gate", gate, g_gu), ("up", up, g_gu), ("down", down, g_dn))}
         self.int8_copies: tuple[str, ...] = tuple(self.i8)
+        self.int8_groups = (g_gu or i8_group(H), g_dn or i8_group(I)) if self.i8 else None
         desc = ffi.new("ktk_moe_desc *")
         desc.gate_type, desc.up_type, desc.down_type = gate.ggml_type, up.ggml_type, down.ggml_type
         desc.n_experts, desc.hidden, desc.inter = E, H, I
@@ -339,6 +385,8 @@ class MoEKernel:
             setattr(desc, name + "_r16", ffi.cast("uint8_t *", self.r16[name].data.data_ptr()))
         for name, t in self.i8.items():
             setattr(desc, name + "_i8", ffi.cast("uint8_t *", t.data_ptr()))
+        if self.i8:
+            desc.gate_i8_group, desc.down_i8_group = g_gu, g_dn
         err = ffi.new("int *")
         ptr = lib.ktk_moe_new(desc, err)
         if ptr == ffi.NULL:

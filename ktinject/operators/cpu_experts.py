@@ -56,6 +56,7 @@ class CpuExpertsOptions:
     stream_max_tokens: int = 16
     repack: str = "auto"                 # R16 layout for the VNNI decode kernels: auto (AVX-512/AMX, RAM allows), on, off
     int8_prefill: bool = False           # I8 copies (requantized, 1 byte a weight) for the AMX-INT8 prefill path
+    int8_group: Any = 0                  # their group sizes: 0 (default per matrix), n, or [gate/up, down]
 
     def __post_init__(self):
         if self.quant not in CONVERT_BITS:
@@ -72,6 +73,14 @@ class CpuExpertsOptions:
             raise ValueError(f"repack {self.repack!r} is not one of {', '.join(REPACK)}")
         if not isinstance(self.int8_prefill, bool):
             raise ValueError(f"int8_prefill must be true or false, got {self.int8_prefill!r}")
+        g = self.int8_group
+        pair = isinstance(g, (list, tuple)) and len(g) == 2
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v % 64 == 0
+                   for v in (g if pair else [g])):
+            raise ValueError(f"int8_group must be 0 (the default for each matrix), a multiple of 64, or a pair "
+                             f"[gate/up, down] of them, got {g!r}")
+        if pair:
+            object.__setattr__(self, "int8_group", tuple(g))
 
 
 def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
@@ -188,7 +197,8 @@ class CpuExperts(Operator):
         gate, up, down = self._matrices(source[prefix + "gate_up_proj"], source[prefix + "down_proj"], prefix)
         self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa,
                                 repack=REPACK[self.options.repack],
-                                int8_prefill=True if self.options.int8_prefill else None)
+                                int8_prefill=True if self.options.int8_prefill else None,
+                                int8_group=self.options.int8_group)
         if self._jobs and torch.cuda.is_available():   # queued host functions may still use the old jobs
             for dev in {key[0] for key in self._jobs}:
                 torch.cuda.synchronize(dev)
