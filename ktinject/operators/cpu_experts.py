@@ -317,4 +317,5 @@ class CpuExperts(Operator):
         return (f"op=cpu_experts, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
                 f"threads={self.options.threads or 'all'}, quant={self.options.quant}"
                 + (f", r16={'+'.join(self.kernel.repacked)}" if self.kernel is not None and self.kernel.repacked else "")
-                + (f", int8={'+'.join(self.kernel.int8_copies)}" if self.kernel is not None and self.kernel.int8_copies else ""))
+                + (f", int8={'+'.join(self.kernel.int8_copies)} (groups {self.kernel.int8_groups[0]}/"
+                   f"{self.kernel.int8_groups[1]})" if self.kernel is not None and self.kernel.int8_copies else ""))
