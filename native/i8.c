@@ -21,9 +21,9 @@
 
 /* Each group costs the tile GEMM a flush of its int32 sums into C (ktk_amx_gemm_i8): on the lent Xeon,
  * a 32-row x 48-token block of K = 1408 took 3.2 us hot with G = 128 and 2.1 us with G = 704
- * (scripts/amx_parts.c i8), for a layer error of 0.0093 against 0.0098 (nineteenth session). Groups
- * of 256 or more keep that flush under a quarter of the tile work; groups much longer let one large
- * value coarsen the steps of more of its neighbours. */
+ * (scripts/amx_parts.c i8), and a V2-Lite Q4_K layer's error went from 0.0080 to 0.0084 (nineteenth
+ * session, docs/benchmarks.md). Groups of 256 or more keep that flush under a quarter of the tile
+ * work; groups much longer let one large value coarsen the steps of more of its neighbours. */
 int64_t ktk_i8_group(int64_t n) {
     if (n <= 0 || n % 64) return -1;
     for (int64_t G = 256; G <= KTK_I8_GMAX && G <= n; G += 64)

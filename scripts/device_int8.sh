@@ -9,7 +9,7 @@
 #  PF_SWEEP="0 4 8": only the I8 GEMM at these prefetch distances, twice over; OVERLAP_AB=1: its scaling
 #  overlapped with the next group's tile work or not, three times over; GROUP_AB="256,128 256,704": the
 #  I8 copies' group sizes (gate/up,down: --int8-group), alternating, twice over, then their errors;
-#  AB_ENV="KTINJECT_AMX_PREFETCH_NEXT=1 KTINJECT_AMX_PREFETCH_NEXT=0": the I8 layer under each setting,
+#  AB_ENV="KTINJECT_AMX_I8_PREFETCH=8 KTINJECT_AMX_I8_PREFETCH=0": the I8 layer under each setting,
 #  alternating, twice over; PARTS=1: first scripts/amx_parts.c i8 on one core)
 set -o pipefail
 DEFAULT_OUT=int8_out

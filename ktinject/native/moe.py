@@ -210,8 +210,8 @@ def i8_group(cols: int) -> int:
 
 
 def i8_groups_for(cols: int) -> list[int]:
-    """Every group size an I8 copy of rows of `cols` values can take."""
-    return [g for g in range(64, I8_GMAX + 1, 64) if cols % g == 0]
+    """Every group size an I8 copy of rows of `cols` values can take (native/i8.c decides)."""
+    return [g for g in range(64, I8_GMAX + 1, 64) if i8_expert_bytes(32, cols, g) >= 0]
 
 
 def check_i8_group(group: int, cols: int, what: str) -> None:
