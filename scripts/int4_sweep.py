@@ -77,9 +77,13 @@ def grid_for(m: int, quick: bool):
             c("diag", 16, 32, 4, 4, chunk=4, ctas=4), c("diag", 16, 64, 8, 4, chunk=2), c("diag", 16, 56, 7, 4, chunk=4, ctas=2),
             c("diag", 16, 128, 16, 2, chunk=4, ctas=1)]
     diag = ring + diag if os.environ.get("SWEEP_DIAG_RING") else diag
+    # the K split (chunk: warps a 16-row tile; block_n: 16 x tiles a block)
+    ksplit = [c("ksplit", 16, 16, 8, chunk=8), c("ksplit", 16, 16, 16, chunk=16), c("ksplit", 16, 32, 8, chunk=4),
+              c("ksplit", 16, 32, 32, chunk=16), c("ksplit", 16, 32, 16, chunk=8), c("ksplit", 16, 16, 4, chunk=4)]
     skip = set(filter(None, os.environ.get("SWEEP_SKIP_MODES", "").split(",")))   # e.g. diag, after a failed test
-    diag, mma, cuda, rows = ([x for x in lst if x[0] not in skip] for lst in (diag, mma, cuda, rows))
-    rows = diag + mma + cuda + rows if m == 1 else diag[:4] + mma[:4] + rows[:3] if m <= 4 else diag[:4] + mma[:4]
+    ksplit, diag, mma, cuda, rows = ([x for x in lst if x[0] not in skip] for lst in (ksplit, diag, mma, cuda, rows))
+    rows = ksplit + diag + mma + cuda + rows if m == 1 else ksplit + diag[:4] + mma[:4] + rows[:3] if m <= 4 \
+        else diag[:4] + mma[:4]
     if m == 1:
         g = rows + [c("fma", 16, 256, 4), c("fma", 16, 128, 4), c("fma", 16, 64, 4), c("fma", 32, 128, 4),
              c("fma", 16, 512, 8), c("fma", 32, 256, 8), c("fma", 16, 256, 4, prefetch=True),
@@ -116,7 +120,7 @@ def cfg_short(cfg) -> str:
         s += "/pf"
     if cfg.reduce != "serial":
         s += f"/{cfg.reduce}"
-    if cfg.mode in ("rows", "cuda", "mma", "diag"):
+    if cfg.mode in ("rows", "cuda", "mma", "diag", "ksplit"):
         s += f"/ct{cfg.chunk}"
     if cfg.ctas:
         s += f"/ctas{cfg.ctas}"
@@ -342,7 +346,7 @@ def main(argv=None) -> int:
             cands = grid_for(m, args.quick)[:2 if selftest else None]
             cands = [as_cand(T.tiled_config(m, n, k, group_of(k, group)))] + cands
             for c in cands:
-                if pack_ok(k, group, c[1]) and c[0] not in ("cuda", "mma", "diag"):   # (NVRTC: per process)
+                if pack_ok(k, group, c[1]) and c[0] not in T.CUDA_MODES:   # (NVRTC: per process)
                     mm = m if c[0].startswith("fma") or c[0] == "rows" else 16
                     tasks.append((k, group, c[1], mm, c))
     by_kernel = {}                                 # one task per compiled variant (same constexprs -> same binary)
@@ -413,7 +417,7 @@ def main(argv=None) -> int:
                 row["tinygemm"] = f"rejects ({tg_err})"
             default = T.tiled_config(m, n, k, g)
             cands = [as_cand(default)] + grid_for(m, args.quick)[:2 if selftest else None]
-            cands = [c for c in dict.fromkeys(cands) if pack_ok(k, group, c[1]) and (c[0] not in ("cuda", "mma", "diag") or cuda_ok)]
+            cands = [c for c in dict.fromkeys(cands) if pack_ok(k, group, c[1]) and (c[0] not in T.CUDA_MODES or cuda_ok)]
             timings, skipped = [], 0
             for ci, c in enumerate(cands):
                 if time.time() - shape_t0 > share and ci > 0:

@@ -137,7 +137,7 @@ def test_options_validate_and_build_on_meta():
 
 
 def test_planned_bytes_on_cuda_count_the_tiled_layout():
-    from ktinject.operators.kernels import int4_triton as T
+    from ktinject.operators.kernels import int4_cuda, int4_triton as T
     from ktinject.operators.linear_int4 import _tinygemm_fits
     cls = get("linear_int4")
     for n, k, g in [(2048, 10944, 64), (2048, 2048, 128)]:            # K = 10944: padded to whole tiles
@@ -150,8 +150,9 @@ def test_planned_bytes_on_cuda_count_the_tiled_layout():
             opts = make_options(cls, {"group_size": g, "backend": backend})
             ctx = BuildContext("m.proj", torch.device("cuda"), torch.device("cuda"), torch.device("cuda"),
                                torch.bfloat16, None, opts)
+            cuda_ok = torch.cuda.is_available() and int4_cuda.available("cuda")   # (as the module decides)
             copy = _tinygemm_fits(n, k, g) and (backend == "tinygemm" or (
-                backend == "auto" and bool(T.tinygemm_buckets(n, k))))
+                backend == "auto" and bool(T.tinygemm_buckets(n, k, g, cuda_ok))))
             want = plain if backend == "torch" else tiled + plain * copy
             assert cls.planned_bytes(orig, ctx) == {"cuda": want}, (n, k, backend)
 
@@ -310,11 +311,20 @@ def test_shape_classes_hold_only_triton_modes():
         assert cfg.mode == "diag" and cfg.pack == 16
     assert T.tiled_config(1, 151936, 2048, 128).mode == "diag"  # (Qwen3's lm_head: the CUDA class)
     assert T.tiled_config(1, 151936, 4096, 128).mode == "fma"   # (taller K: not measured with it)
-    assert T.tiled_config(16, 151936, 2048, 128).mode == "dot_x" and T.tiled_config(1, 4096, 2048, 128).mode == "cuda"
-    assert T.tinygemm_buckets(11008, 2048, 128) == set() and T.tinygemm_buckets(5000, 2048, 128) == {1, 4}
+    assert T.tiled_config(16, 151936, 2048, 128).mode == "dot_x" and T.tiled_config(1, 4096, 2048, 128).mode == "ksplit"
+    assert T.tinygemm_buckets(11008, 2048, 128) == set() and T.tinygemm_buckets(5000, 2048, 128) == set()
     # where the CUDA class cannot run (groups smaller than a tile, or no CUDA kernels) the class entry stands
     assert T.tinygemm_buckets(11008, 2048, 32) == {1} and T.tinygemm_buckets(11008, 2048, 128, cuda_ok=False) == {1}
     assert T.tiled_config(1, 151936, 2048, 64).mode == "fma" and T.tiled_config(1, 151936, 2048, 2048).mode == "diag"
+    # one row up to 100 MB of bf16 and K <= 8192: the K-split kernel, two 128-input steps a warp
+    for n, k, ks in ((5000, 2048, 8), (1536, 7168, 28), (2048, 8192, 32), (3000, 512, 2), (200, 100, 1)):
+        cfg = T.tiled_config(1, n, k, 128)
+        assert (cfg.mode, cfg.chunk, cfg.num_warps, cfg.pack) == ("ksplit", ks, ks, 16), (n, k)
+    assert T.tiled_config(1, 2048, 16384, 128).mode == "fma" and T.tiled_config(1, 30000, 2048, 128).mode == "diag"
+    assert T.tiled_config(1, 5000, 2048, 64).mode == "rows" and T.tiled_config(2, 5000, 2048, 128).mode == "ksplit"
+    assert T.tiled_config(5, 5000, 2048, 128).mode == "dot_x"     # (5-16 rows: not measured with it)
+    assert T.tinygemm_buckets(5000, 2048, 128, cuda_ok=False) == {1, 4}
+    assert all(c.block_n == 16 * (c.num_warps // c.chunk) for c in T.TUNED.values() if c.mode == "ksplit")
     for (n, k, g, rows), cfg in T.TUNED.items():      # one pack per shape (the layout is made once)
         assert cfg.pack == T.tiled_config(1, n, k, g).pack, (n, k, g, rows)
         assert cfg.mode != "cuda" or rows == 1
@@ -417,6 +427,26 @@ def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,pack,rows,ksplit,warps", [
+    (2048, 2048, 128, 16, 1, 8, 8), (2056, 2048, 128, 16, 1, 16, 16), (1000, 4096, 256, 32, 2, 16, 16),
+    (4096, 2048, 256, 16, 4, 4, 8), (640, 1536, 128, 16, 8, 3, 6), (1536, 2048, -1, 16, 3, 8, 16),
+    (777, 392, 128, 16, 5, 2, 4), (40, 2176, 128, 16, 1, 1, 2), (300, 20480, 128, 16, 1, 32, 32),
+    (7168, 2048, 128, 16, 1, 5, 10)])
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
+def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warps, dtype, bias):
+    """The K-split tensor-core kernel (ktk_int4_ksplit): rows 1..8 (x columns of the mma, 2 a lane), N past the
+    last 16-row tile, K padding (392, 2176), splits that do not divide the steps (17 steps in 1, 160 in 32),
+    several tiles a block, per channel, pack 16/32, bf16 and fp16, bias; and what it refuses."""
+    from ktinject.operators.kernels import int4_cuda
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps),
+                            n, k, group, pack, rows, dtype, bias)
+    tw = P.tile(P.quantize(torch.randn(64, 512, device="cuda"), 128), 16)
+    assert "1..8 rows" in int4_cuda.ksplit_fits(tw, 9, 2, 2)
+    with pytest.raises(ValueError, match="multiple of ksplit"):
+        int4_cuda.gemv_ksplit(torch.randn(1, 512, device="cuda", dtype=dtype), tw, ksplit=3, warps=4)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_gemv_in_a_cuda_graph():
     from ktinject.operators.kernels import int4_cuda, int4_triton as T
     torch.manual_seed(0)
@@ -439,9 +469,11 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,rows,mode", [((4096, 2048), 1, "cuda"), ((102400, 2048), 1, "diag"),
+@pytest.mark.parametrize("shape,rows,mode", [((4096, 2048), 1, "ksplit"), ((5000, 1536), 1, "ksplit"),
+                                            ((102400, 2048), 1, "diag"),
                                             ((102400, 2048), 2, "diag"), ((102400, 2048), 3, "diag"),
-                                            ((30000, 2048), 4, "diag")])
+                                            ((30000, 2048), 4, "ksplit"), ((60000, 2048), 4, "diag"),
+                                            ((5000, 2048), 3, "ksplit")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_linear_int4_cuda_modes_load_and_capture(shape, rows, mode, dtype):
     """A layer whose config is a CUDA mode (tuned, or the CUDA class for 30000 x 2048) compiles at load every

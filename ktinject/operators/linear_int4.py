@@ -196,7 +196,7 @@ class Int4Linear(Operator):
             if cfg is not None:
                 got = T.tiled_workspace_need(rows, self.out_features, self.weight_tiled.n_tiles, cfg)
                 need = [max(a, b) for a, b in zip(need, got)]
-                if cfg.mode in ("cuda", "mma", "diag") and self.qweight.is_cuda:
+                if cfg.mode in T.CUDA_MODES and self.qweight.is_cuda:
                     T.warm_up(self.weight_tiled, rows, cfg, self.bias is not None)   # compile now, not in a capture
         T.reserve_workspace(self.qweight.device, *need)
 
@@ -234,7 +234,7 @@ class Int4Linear(Operator):
         from .kernels import int4_triton as T
         cfg = T.tiled_config(rows, self.out_features, self.in_features, self.group_size)
         half = dtype in (torch.bfloat16, torch.float16)
-        if cfg.mode in ("cuda", "mma", "diag") and not half:  # the CUDA kernels take half activations
+        if cfg.mode in T.CUDA_MODES and not half:   # the CUDA kernels take half activations
             cfg = T.class_config(rows, self.out_features, self.in_features)
         if cfg.mode in ("dot", "dot_x") and (self.pack < 16 or not half):
             if rows > 4:

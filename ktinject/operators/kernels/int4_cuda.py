@@ -1,4 +1,4 @@
-"""CUDA C decode GEMVs of `linear_int4` (modes "cuda", "mma", "diag"), compiled at first use with NVRTC.
+"""CUDA C decode GEMVs of `linear_int4` (modes "cuda", "mma", "diag", "ksplit"), compiled at first use with NVRTC.
 
 Why CUDA C next to the Triton kernels: on the H200 the Triton GEMVs stop at ~1.9 TB/s on a 100 MB
 int4 weight while a Triton read of the same bytes runs at ~4 TB/s; the unpacking, not the memory, is
@@ -21,6 +21,10 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   of a super-step of 16 / rows steps), so each step's sum stays apart in the accumulator for a whole
   super-step and the scale work runs once per super-step instead of once per step (PTX per 16-word
   step 97 -> 64). scripts/int4_diag_emulate.py checks the fragment design lane by lane in numpy.
+* `gemv_ksplit` (mode "ksplit", 1-8 rows): the mma's roles swapped, weights as A (16 rows a tile, no zero
+  fragments: per 16 weights a lane 14 unpacking instructions, one shared load and two mma) and x as B, and
+  K split over the warps of a block (a few warps a 16-row tile, each a slice of K, sums added in a fixed
+  order in shared memory): the small and mid-size matrices get every SM busy with all their loads in flight.
 
 Measured (docs/gpu.md): `cuda` and `mma` reach ~2.0 TB/s on the lm_head, like the Triton kernels
 (Nsight Compute: ~190 warp instructions per 1024 weights for mma, of which its inner loop needs 36);
@@ -572,6 +576,168 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 }
 """
 
+_KSPLIT_SOURCE = _TC_PRELUDE + r"""
+#define SPW ((NSTEP + KS - 1) / KS)                  // steps a warp takes
+#define KWC (NSTEP * 16)                             // words a row
+#define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
+#define TR 16                                        // rows a tile (the mma's 16 A rows)
+
+// The small matrices' GEMV (mode "ksplit", 1-8 rows of x). The mma's roles are those of ktk_int4_mma
+// swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
+// + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
+// (column g = x row g, the same staged pairs as ktk_int4_mma), so every mma does 16 rows x 16 inputs of
+// useful work with no zero fragments, and the D column m holds x row m. K is split over the warps of a
+// block: KS warps share one 16-row tile, warp w taking the steps (w % KS) * SPW .. + SPW - 1, so a matrix
+// of a few hundred tiles still has every SM busy with all of its loads in flight at once. Each warp issues
+// the loads of all its steps (and their scales) before the x staging, whose barrier then waits under the
+// weights' latency. Per step, the lanes that hold x columns (2 c < MR) add s (D - MAGIC_V X) + m X; the KS
+// warps' sums meet in shared memory and are added in a fixed order (deterministic). MR (rows of x) and the
+// steps of a row are compile-time constants.
+extern "C" __global__ void __launch_bounds__(NT, MINB)
+ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
+                const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
+                int N, int K, int KW_, int g_shift, int NG, int M_, int stride_xm, int stride_om, int xvec)
+{
+    extern __shared__ u32 smem[];
+    u32* xp = smem;                                  // [MR][KWP] x pairs
+    float* xsum = (float*)(smem + MR * KWP);         // [MR][NSTEP] sum of x over each step's inputs
+    float* part = xsum + MR * NSTEP;                 // [WARPS][TR][MR] each warp's sums (KS > 1)
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int KQ = KWC / 4;
+    const int n_tiles = (N + TR - 1) / TR;
+    const int nt = blockIdx.x * (WARPS / KS) + warp / KS;
+    const int s_lo = (warp % KS) * SPW;
+    const bool hold = 2 * c < MR;                    // this lane's D columns 2 c, 2 c + 1 hold x rows
+    const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
+
+    uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
+    u32 pa[SPW], pb[SPW];                            // (scale, min) of rows ra and rb, per step
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const bool ok = nt < n_tiles && s_lo + s < NSTEP;
+        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const int st = min(s_lo + s, NSTEP - 1);
+        const size_t go = (size_t)min(((st * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
+        pa[s] = hold ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;
+        pb[s] = hold ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+    }
+
+    // x pairs and step sums: 16 threads a (row of x, step), thread r of them the 8 consecutive inputs
+    // j0 .. j0 + 7 of slice i = r / 2 of its tile (j0 = the step's first word in the tile + 8 (r % 2)): one
+    // 16-byte load where x allows (xvec), 8 two-byte stores 16 bytes apart (words j0 .. j0 + 7 of the pair
+    // array, pair slot a = i % 4, half i / 4), and the 16 threads' sums added by shuffles
+    for (int base = warp * 32; base < MR * NSTEP * 16; base += NT) {
+        const unsigned idx = base + lane, m = idx / (NSTEP * 16), st = (idx / 16) % NSTEP, r = idx % 16;
+        const bool ok = idx < MR * NSTEP * 16;
+        const unsigned i = r / 2, tile = st * 16 / P, j0 = st * 16 % P + (r % 2) * 8;
+        const int k0 = tile * 8 * P + i * P + j0;
+        const u16* xm = x + (size_t)(ok ? m : 0) * stride_xm;
+        u32 v[4] = {0u, 0u, 0u, 0u};
+        if (ok && xvec && k0 + 8 <= K) {
+            const uint4 q = __ldg((const uint4*)(xm + k0));
+            v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+        } else if (ok) {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                v[e / 2] |= (k0 + e < K ? (u32)xm[k0 + e] : 0u) << (16 * (e % 2));
+        }
+        float sum = 0.f;
+        if (ok) {
+            const unsigned wc0 = tile * P + j0;
+            u16* dst = (u16*)(xp + m * KWP + wc0 * 4 + (wc0 >> 3) * 4 + (i % 4)) + (i / 4);
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                const u16 h = (u16)(v[e / 2] >> (16 * (e % 2)));
+                dst[e * 8] = h;                      // word wc0 + e: 4 pairs (16 bytes) later
+                sum += to_f32(h);
+            }
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (ok && r == 0) xsum[m * NSTEP + st] = sum;
+    }
+    __syncthreads();
+
+    const u32* xrow = xp + (g < MR ? g : 0) * KWP + 16 * c + 4 * (c >> 1);   // B column g: x row g
+    const int m0 = hold ? 2 * c : 0, m1 = 2 * c + 1 < MR ? 2 * c + 1 : m0;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};             // (ra, m0), (ra, m1), (rb, m0), (rb, m1)
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const int st = s_lo + s;
+        if (st < NSTEP) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};   // two chains of mma
+            const u32 va[4] = {wa[s].x, wa[s].y, wa[s].z, wa[s].w};
+            const u32 vb[4] = {wb[s].x, wb[s].y, wb[s].z, wb[s].w};
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+#if NOMATH                                           // (probe: the loads and the loop alone)
+                d[u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
+                continue;
+#endif
+                const u32 A = va[u], B = vb[u];
+                const uint4 xv = *(const uint4*)&xrow[(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3 of the word
+                mma((u & 1) ? e : d, (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
+                    ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
+                mma((u & 1) ? e : d, ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
+                    ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
+            }
+            if (hold) {
+                const float X0 = xsum[m0 * NSTEP + st], X1 = xsum[m1 * NSTEP + st];
+                const float Sa = h2f((u16)(pa[s] & 0xFFFFu)), Ma = h2f((u16)(pa[s] >> 16));
+                const float Sb = h2f((u16)(pb[s] & 0xFFFFu)), Mb = h2f((u16)(pb[s] >> 16));
+                acc[0] += Sa * (d[0] + e[0] - MAGIC_V * X0) + Ma * X0;
+                acc[1] += Sa * (d[1] + e[1] - MAGIC_V * X1) + Ma * X1;
+                acc[2] += Sb * (d[2] + e[2] - MAGIC_V * X0) + Mb * X0;
+                acc[3] += Sb * (d[3] + e[3] - MAGIC_V * X1) + Mb * X1;
+            }
+        }
+    }
+#if KS > 1
+    if (hold) {
+        part[(warp * TR + g) * MR + m0] = acc[0];
+        part[(warp * TR + g + 8) * MR + m0] = acc[2];
+        if (2 * c + 1 < MR) {
+            part[(warp * TR + g) * MR + m1] = acc[1];
+            part[(warp * TR + g + 8) * MR + m1] = acc[3];
+        }
+    }
+    __syncthreads();
+    if (warp % KS == 0 && nt < n_tiles) {            // the tile's first warp adds the KS sums in order
+        for (int i = lane; i < TR * MR; i += 32) {
+            const int r = i / MR, m = i - r * MR, n = nt * TR + r;
+            if (n < N) {
+                float y = 0.f;
+#pragma unroll
+                for (int s = 0; s < KS; s++) y += part[((warp + s) * TR + r) * MR + m];
+#if HAS_BIAS
+                y += to_f32(bias[n]);
+#endif
+                out[(size_t)m * stride_om + n] = from_f32(y);
+            }
+        }
+    }
+#else
+    if (hold && nt < n_tiles) {
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            const int n = nt * TR + g + (h >> 1) * 8, m = (h & 1) ? 2 * c + 1 : 2 * c;
+            if (n < N && m < MR) {
+                float y = acc[h];
+#if HAS_BIAS
+                y += to_f32(bias[n]);
+#endif
+                out[(size_t)m * stride_om + n] = from_f32(y);
+            }
+        }
+    }
+#endif
+}
+"""
+
 STEP_WORDS = 128          # words one warp load covers per row (32 lanes x 16 bytes)
 
 
@@ -605,20 +771,26 @@ def _compile_api():
 
 @functools.lru_cache(maxsize=None)
 def _binary(shape, device_index: int):
-    """The compiled kernel of `shape` (`CudaGemvShape`, `MmaShape` or `DiagShape`) on one GPU (NVRTC, once
-    per process)."""
+    """The compiled kernel of `shape` (`CudaGemvShape`, `MmaShape`, `DiagShape` or `KsplitShape`) on one GPU
+    (NVRTC, once per process)."""
     api = _compile_api()
     if api is None:
         raise RuntimeError("this torch has no torch.cuda._compile_kernel (NVRTC); the CUDA int4 GEMV needs torch >= 2.8")
-    name = ("ktk_int4_diag" if isinstance(shape, DiagShape) else "ktk_int4_mma" if isinstance(shape, MmaShape)
-            else "ktk_int4_gemv")
+    name = ("ktk_int4_ksplit" if isinstance(shape, KsplitShape) else "ktk_int4_diag" if isinstance(shape, DiagShape)
+            else "ktk_int4_mma" if isinstance(shape, MmaShape) else "ktk_int4_gemv")
     with torch.cuda.device(device_index):
         return api(source(shape), name, nvcc_options=["--std=c++17"])
 
 
 def source(shape) -> str:
-    """The CUDA source of one binary (`CudaGemvShape`, `MmaShape` or `DiagShape`): its constants, then the kernel."""
-    if isinstance(shape, DiagShape):
+    """The CUDA source of one binary (`CudaGemvShape`, `MmaShape`, `DiagShape` or `KsplitShape`): its constants,
+    then the kernel."""
+    if isinstance(shape, KsplitShape):
+        consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
+                  "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
+                  "NOMATH": int(shape.nomath)}
+        body = _KSPLIT_SOURCE
+    elif isinstance(shape, DiagShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "UNROLL_B": min(shape.steps // shape.batch, 8), "MR": shape.mr, "NOMATH": int(shape.nomath),
@@ -680,7 +852,7 @@ def unavailable_reason(device=None) -> str | None:
 
 
 def _self_test(idx: int) -> str | None:
-    """The three kernels on small odd shapes against the dequantized weight; None when they agree."""
+    """The four kernels on small odd shapes against the dequantized weight; None when they agree."""
     from . import int4_pack
     major, minor = torch.cuda.get_device_capability(idx)
     if major < 8:
@@ -697,7 +869,8 @@ def _self_test(idx: int) -> str | None:
                     ("diag", (96, 392), 128, 2,
                      lambda x_, t_: gemv_diag(x_, t_, None, warps=3, batch=2, ctas_per_sm=1)),
                     ("diag one-row", (40, 2176), 128, 1,
-                     lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1))):
+                     lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1)),
+                    ("ksplit", (200, 1160), 128, 3, lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))):
                 iw = int4_pack.quantize(torch.randn(n, k, generator=g) * 0.05, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
                 x = torch.randn(rows, k, generator=g).to(f"cuda:{idx}", torch.bfloat16)
@@ -849,7 +1022,8 @@ def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
     _launch(shape, idx, blocks, warps, mma_shared_bytes(m, kw),
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)])
     return out
 
 
@@ -917,5 +1091,78 @@ def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: in
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)])
+    return out
+
+
+KSPLIT_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class KsplitShape:
+    pack: int
+    steps: int            # 16-word steps per row
+    ksplit: int           # warps sharing one 16-row tile, each ceil(steps / ksplit) consecutive steps
+    warps: int            # a multiple of ksplit: warps // ksplit tiles a block
+    rows: int             # rows of x (1..8)
+    bf16: bool
+    bias: bool
+    min_blocks: int = 1   # __launch_bounds__ minimum blocks per SM (caps the registers a thread takes)
+    nomath: bool = False  # (probe: the loads and the loop only, no unpacking or mma)
+
+
+def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int) -> int:
+    """Shared memory of ktk_int4_ksplit: x pairs and step sums, then (ksplit > 1) each warp's 16 x m sums."""
+    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) + (warps * 16 * m if ksplit > 1 else 0)) * 4
+
+
+def ksplit_launch(w, ksplit: int, warps: int, occupancy: int = 32) -> tuple[int, int, int, int]:
+    """(ksplit, warps, blocks, min blocks per SM) of ktk_int4_ksplit on `w`: ksplit clamped to the steps of a
+    row, warps a multiple of it; the launch bound asks for `occupancy` warps an SM (65536 / (32 x occupancy)
+    registers a thread at most)."""
+    steps = int(w.qweight.shape[1]) // 16
+    ksplit = max(1, min(ksplit, steps))
+    tpb = max(1, warps // ksplit)
+    n_tiles = -(-int(w.qweight.shape[0]) // 16)
+    return ksplit, tpb * ksplit, -(-n_tiles // tpb), max(1, occupancy // (tpb * ksplit))
+
+
+def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None) -> str | None:
+    """Why the K-split GEMV cannot take `m` rows on `w` with this split (on GPU `device_index`: its shared
+    memory) (None when it can)."""
+    if not 1 <= m <= KSPLIT_MAX_ROWS:
+        return f"it takes 1..{KSPLIT_MAX_ROWS} rows, got {m}"
+    why = mma_fits(w, m)
+    if why is None and device_index is not None:
+        ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps))
+        if ksplit_shared_bytes(m, int(w.qweight.shape[1]), wps, ks) > smem_limit(device_index):
+            why = f"{m} rows of {w.in_features} inputs do not fit in shared memory"
+    return why
+
+
+def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
+                occupancy: int = 32, nomath: bool = False) -> torch.Tensor:
+    """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 8) bf16/fp16, `w` an `Int4Tiled` with pack 16
+    or 32 and one group per tile; [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a slice of K
+    (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch bound
+    asks for."""
+    from .int4_triton import tiled_groups
+    m, k = x.shape
+    n, kw = w.qweight.shape
+    if ksplit < 1 or warps < ksplit or warps % ksplit:
+        raise ValueError(f"warps ({warps}) must be a multiple of ksplit ({ksplit}) >= 1")
+    x, bias, idx = _checked(x, w, bias)
+    why = ksplit_fits(w, m, ksplit, warps, idx)
+    if why:
+        raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
+    ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy)
+    smem = ksplit_shared_bytes(m, kw, warps, ks)
+    shape = KsplitShape(w.pack, kw // 16, ks, warps, m, x.dtype == torch.bfloat16, bias is not None, min_blocks,
+                        nomath)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    _launch(shape, idx, blocks, warps, smem,
+            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)])
     return out

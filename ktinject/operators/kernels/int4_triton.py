@@ -278,7 +278,8 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 # writes the output and resets the counter: one launch, no zero-fill, deterministic. ("atomic"
 # reduce: fp32 atomics into a zeroed buffer, then a cast: three launches.)
 
-TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3, "rows": 4, "cuda": 5, "mma": 6, "diag": 7}
+TILED_MODES = {"fma": 0, "fma_dq": 1, "dot": 2, "dot_x": 3, "rows": 4, "cuda": 5, "mma": 6, "diag": 7, "ksplit": 8}
+CUDA_MODES = ("cuda", "mma", "diag", "ksplit")      # the NVRTC kernels of int4_cuda (Triton configs back them up)
 _PER_CHANNEL_SHIFT = 30
 
 
@@ -288,6 +289,8 @@ class TiledConfig:
     #                                 cuda (M = 1: the NVRTC kernel of int4_cuda; block_n / num_warps rows a warp)
     #                                 mma (M <= 16: int4_cuda's tensor-core kernel; block_n = 8 x num_warps)
     #                                 diag (M <= 16: as mma, scale work once per super-step; block_n = 8 x warps)
+    #                                 ksplit (M <= 8: int4_cuda's K-split tensor-core kernel; chunk warps share
+    #                                   a 16-row tile, each a slice of K; block_n = 16 x num_warps / chunk)
     block_n: int = 64               # rows per program
     num_warps: int = 4
     num_stages: int = 1             # (Triton does not software-pipeline this loop: stages change nothing)
@@ -300,6 +303,7 @@ class TiledConfig:
     chunk: int = 16                 # mode rows: tiles per load wave (power of two); rows never splits K
     #                                 mode cuda: 128-word steps per load batch; mma, diag: 16-word steps
     ctas: int = 0                   # modes mma, diag: blocks per SM of a persistent grid (0: a warp per 8 rows)
+    occupancy: int = 32             # mode ksplit: warps an SM its launch bound asks for (caps the registers)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -644,6 +648,8 @@ def plan_tiled(m: int, n: int, n_tiles: int, cfg: TiledConfig) -> tuple[tuple[in
         raise ValueError(f"mode must be one of {', '.join(TILED_MODES)}, got {cfg.mode!r}")
     if cfg.mode in ("mma", "diag"):
         return (-(-n // (8 * cfg.num_warps)), 1), n_tiles, _next_pow2(m)
+    if cfg.mode == "ksplit":
+        return (-(-n // (16 * max(1, cfg.num_warps // max(1, cfg.chunk)))), 1), n_tiles, m
     if cfg.mode == "cuda":
         _check_cuda_config(cfg)
         if m != 1:
@@ -728,7 +734,7 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
     if m == 0:
         return x.new_empty((0, n))
     cfg = cfg or tiled_config(m, n, k, w.group_size)
-    if cfg.mode in ("cuda", "mma", "diag"):
+    if cfg.mode in CUDA_MODES:
         if cfg.mode == "cuda":
             _check_cuda_config(cfg)
         run = runnable_config(cfg, w, m, n, k, x.device, x.dtype)
@@ -736,6 +742,9 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
             if cfg.mode == "cuda":
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
+            if cfg.mode == "ksplit":
+                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps,
+                                             occupancy=cfg.occupancy)
             if cfg.mode == "diag":
                 return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
                                            stages=cfg.num_stages if cfg.num_stages > 1 else 0)
@@ -791,7 +800,7 @@ def runnable_config(cfg: TiledConfig, w, m: int, n: int, k: int, device, dtype: 
     """The config the dispatcher runs for `cfg` (the same object where it runs as is): a CUDA mode where its
     kernel runs here, else the shape class's Triton config (no NVRTC here, doctor says why, or not this
     shape), with `fma` for the tensor-core modes at <= 4 rows of fp32 activations."""
-    if cfg.mode not in ("cuda", "mma", "diag") or cuda_mode_runs(cfg, w, m, device, dtype):
+    if cfg.mode not in CUDA_MODES or cuda_mode_runs(cfg, w, m, device, dtype):
         return cfg
     cfg = class_config(m, n, k)
     if cfg.mode in ("dot", "dot_x") and dtype not in (torch.bfloat16, torch.float16) and m <= 4:
@@ -802,22 +811,27 @@ def runnable_config(cfg: TiledConfig, w, m: int, n: int, k: int, device, dtype: 
 def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> bool:
     """Whether a cuda/mma config runs its CUDA kernel for `m` rows of `dtype` on `device` (else the shape
     class's Triton config runs): NVRTC usable there, half activations, and the shape fits the GPU."""
-    if cfg.mode not in ("cuda", "mma", "diag") or torch.device(device).type != "cuda" or \
+    if cfg.mode not in CUDA_MODES or torch.device(device).type != "cuda" or \
             dtype not in (torch.bfloat16, torch.float16) or not int4_cuda.available(device):
         return False
+    idx = int4_cuda.device_index(device)
+    if cfg.mode == "ksplit":
+        return int4_cuda.ksplit_fits(w, m, cfg.chunk, cfg.num_warps, idx) is None
     fits = int4_cuda.cuda_fits if cfg.mode == "cuda" else int4_cuda.mma_fits
-    return fits(w, m, int4_cuda.device_index(device)) is None
+    return fits(w, m, idx) is None
 
 
 def warm_up(w, rows: int, cfg: TiledConfig, with_bias: bool = False) -> None:
     """Run the GEMV on zeros for every binary a call of this rows bucket can need (bf16 and fp16, with a
     bias if the layer has one, and for the tensor-core kernels every rows variant of the bucket): this compiles
-    the NVRTC kernels of modes cuda/mma/diag and runs their self-test. linear_int4 calls it at load, as a CUDA-graph
+    the NVRTC kernels of modes cuda/mma/diag/ksplit and runs their self-test. linear_int4 calls it at load, as a CUDA-graph
     capture must neither compile nor synchronize."""
     if not (w.qweight.is_cuda and not torch.cuda.is_current_stream_capturing()):
         return
     if cfg.mode == "diag":        # one binary per power of two of rows: every one the bucket holds
         counts = {m for m in (1, 2, 4, 8, 16) if rows_bucket(m) == rows_bucket(rows)}
+    elif cfg.mode == "ksplit":    # one binary per row count: every one of the bucket it takes (<= 8)
+        counts = {m for m in range(1, int4_cuda.KSPLIT_MAX_ROWS + 1) if rows_bucket(m) == rows_bucket(rows)}
     else:                         # mma: one binary up to 8 rows, one past 8; cuda: one row
         counts = {rows, min(rows, 8)} if cfg.mode != "cuda" else {rows}
     with torch.cuda.device(w.qweight.device):      # (loading need not make the layer's GPU current)
@@ -851,15 +865,20 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     (102400, 2048, 128, 1): TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),   # 40.4-41.8 / 117.5-129.7 / 61.8-64.4
     (102400, 2048, 128, 4): TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16),   # 58.6 / 113.1 / 85.8 (cp.async ring; 66.8-71.4 without)
     (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
-    (21888, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=2, pack=16),   # 12.3-12.9 / 25.1-26.4 / 15.2-15.7
     (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.9 / 16.9-17.9 / rejects K
-    (10944, 2048, 128, 1): TiledConfig("diag", block_n=88, num_warps=11, chunk=4, ctas=2, pack=16),   # 7.9-8.4 / 14.2-15.7 / 8.9-9.2
-    (7168, 2048, 128, 1): TiledConfig("diag", block_n=64, num_warps=8, chunk=8, ctas=2, pack=16),   # 6.8-7.2 / 10.2-10.8 / 6.6-7.1
-    (4096, 4096, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 8.3 / 13.8 / 7.1
-    (4096, 2048, 128, 1): TiledConfig("cuda", block_n=32, num_warps=8, chunk=2, pack=16),   # 5.1-5.2 / 7.5 / 4.5
-    (3072, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.6 / 6.8 / 4.1
-    (2048, 2048, 128, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 3.9 / 6.2 / 3.7
-    (2048, 2048, 128, 4): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 6.4 / 6.2 / 4.3
+    # one row, K split (ksplit): measured on the H200 on 2026-12-04 (scripts/int4_ksplit_probe.py, twentieth
+    # session, device run 1): us ours / bf16 / tinygemm (the config before: us)
+    (21888, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 12.11 / 25.40 / 15.28 (diag 12.63)
+    (10944, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 7.57 / 14.35 / 8.95 (diag 8.29)
+    (7168, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 5.69 / 10.51 / 7.01 (diag 7.10)
+    (4096, 4096, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 6.32 / 13.47 / 6.97 (rows 8.12)
+    (4096, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 4.23 / 7.29 / 4.47 (cuda 5.05)
+    (3072, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 4.07 / 6.53 / 4.00 (rows 4.53)
+    (2048, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 3.36 / 6.09 / 3.78 (rows 3.88)
+    # four rows (device run 2)
+    (21888, 2048, 128, 4): TiledConfig("ksplit", block_n=32, num_warps=8, chunk=4, pack=16),   # 17.55 / 28.73 / 20.38 (diag 22.50)
+    (4096, 2048, 128, 4): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 5.24 / 7.32 / 5.82 (dot_x 12.77)
+    (2048, 2048, 128, 4): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 4.12 / 6.19 / 4.77 (dot_x 6.33)
     (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 7.1 / 6.2 / 7.7
     (2048, 2048, 32, 1): TiledConfig("rows", block_n=4, num_warps=4, pack=16),   # 5.9 / 6.3 / 4.5
     (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / rejects per-channel
@@ -892,14 +911,28 @@ CUDA_CLASS = {1: TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, 
               4: TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16)}
 CUDA_CLASS_MIN_MB = 40.0
 CUDA_CLASS_MAX_K = 2048
+# One to four rows below that: the K-split kernel (ksplit). At one row it beat rows, cuda, diag and tinygemm
+# on every measured shape from 8 to 90 MB of bf16 but 3072 x 2048 (a tie with tinygemm) (twentieth session:
+# 2048 to 21888 rows of 2048 inputs, 4096 x 4096, 1536 x 7168, 7168 x 1536; not the 420 MB lm_head, where
+# diag stays 3% faster); at four rows it beat dot_x, diag and tinygemm on all three shapes measured (2048,
+# 4096, 21888 x 2048). The class config gives each warp two 128-input steps of a 16-row tile (K split =
+# steps / 2, one tile a block); KSPLIT_CLASS_MAX_MB and KSPLIT_CLASS_MAX_K bound where it was measured and
+# where a block stays within 32 warps.
+KSPLIT_CLASS_MAX_MB = 100.0
+KSPLIT_CLASS_MAX_K = 8192
+
+
+def ksplit_class_config(k: int) -> TiledConfig:
+    """The K-split config of the class (1-4 rows) for K inputs: two 128-input steps a warp, one 16-row tile a block."""
+    ks = max(1, min(32, -(-k // 128) // 2))
+    return TiledConfig("ksplit", block_n=16, num_warps=ks, chunk=ks, pack=16)
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
-TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps)
-    (2048, 2048): {1, 4}, (3072, 2048): {1}, (4096, 2048): {1}, (4096, 4096): {1},
-    (7168, 2048): {1},           # (a tie: tinygemm won two of three runs)
-    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row (from
-}                                # 40 MB, K <= 2048 and group >= 128 the CUDA class runs instead: see above)
+TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1 and 4 rows: 2026-12-04
+    (3072, 2048): {1},           # (4.00 and 4.03 us against ksplit's 4.07 and 4.05 in two runs: a tie)
+    24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row before the
+}                                # K split; where the CUDA class holds a config (ksplit, diag) that runs instead
 
 
 def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = True) -> set:
@@ -933,6 +966,9 @@ def class_config(m: int, n: int, k: int) -> TiledConfig:
 def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> TiledConfig | None:
     """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class):
     None too where the group is smaller than a tile (8 x pack inputs), which the tensor-core kernels refuse."""
+    if rows_bucket(m) <= 4 and k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB:
+        cfg = ksplit_class_config(k)
+        return cfg if group is None or group >= min(k, 8 * cfg.pack) else None
     if k <= CUDA_CLASS_MAX_K and n * k * 2 / 1e6 >= CUDA_CLASS_MIN_MB:
         cfg = CUDA_CLASS.get(rows_bucket(m))
         if cfg is not None and (group is None or group >= min(k, 8 * cfg.pack)):

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""The K-split tensor-core GEMV (`int4_cuda.gemv_ksplit`, mode "ksplit") on the small and mid-size matrices,
+next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
+
+    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4]
+
+First a correctness pass (1, 2, 4 and 8 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
+the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
+over a grid of (ksplit, warps a block, occupancy), each config as it is and with its unpacking and mma
+removed (`nomath`), with the registers a thread takes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line, read_bandwidth  # noqa: E402
+from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E402
+from int4_grid_probe import read_floor, reference_paths, regs  # noqa: E402  (this folder)
+
+
+def check_all() -> int:
+    bad = 0
+    g = torch.Generator(device="cpu").manual_seed(3)
+    cases = [  # (n, k, group, pack, rows, dtype, bias, ksplit, warps)
+        (2048, 2048, 128, 16, 1, torch.bfloat16, False, 16, 16),
+        (2056, 2048, 128, 16, 1, torch.bfloat16, True, 8, 16),
+        (1000, 4096, 256, 32, 2, torch.bfloat16, False, 16, 16),
+        (4096, 2048, 256, 16, 4, torch.float16, True, 4, 8),
+        (640, 1536, 128, 16, 8, torch.bfloat16, False, 3, 6),
+        (3072, 2048, -1, 16, 1, torch.bfloat16, False, 16, 32),
+        (96, 392, 128, 16, 3, torch.bfloat16, True, 2, 4),
+        (40, 2176, 128, 16, 1, torch.float16, False, 1, 2),
+    ]
+    for n, k, group, pack, rows, dt, with_bias, ks, warps in cases:
+        iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
+        tw = P.tile(iw, pack).to("cuda")
+        x = torch.randn(rows, k, generator=g).to("cuda", dt)
+        b = torch.randn(n, generator=g).to("cuda", dt) if with_bias else None
+        ref = x.float() @ P.dequantize(iw, torch.float32).to("cuda").T
+        if b is not None:
+            ref = ref + b.float()
+        try:
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps)
+            torch.cuda.synchronize()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            ok = err < 1e-2 and worst < 3e-2
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps)
+            same = torch.equal(again, y)
+        except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
+            ok, same, err, worst = False, False, float("nan"), float("nan")
+            print(f"  {type(exc).__name__}: {str(exc)[:300]}")
+        bad += not (ok and same)
+        print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps}: "
+              f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}",
+              flush=True)
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="2048x2048,3072x2048,4096x2048,7168x2048,4096x4096,10944x2048,21888x2048")
+    ap.add_argument("--top", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--no-check", action="store_true")
+    a = ap.parse_args(argv)
+    print(hardware_line(), flush=True)
+    bad = 0 if a.no_check else check_all()
+    roof = read_bandwidth()
+    print(f"HBM read roofline {roof / 1e9:.0f} GB/s", flush=True)
+    idx = C.device_index("cuda")
+    for spec in a.shapes.split(","):
+        n, k = map(int, spec.split("x"))
+        torch.manual_seed(0)
+        iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
+        w0 = P.tile(iw, 16)
+        wbytes = w0.qweight.numel() * 4 + 2 * w0.scales.numel() * 2
+        copies = [w0] + [P.tile(iw, 16) for _ in range(max(1, -(-L2_BYTES // wbytes)) - 1)]
+        x = torch.randn(a.rows, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ P.dequantize(iw).T
+        wb = P.dequantize(iw, torch.bfloat16)
+        bcopies = [wb] + [wb.clone() for _ in range(max(1, -(-L2_BYTES // (wb.numel() * 2))) - 1)]
+        t_bf16 = graph_time([lambda w=w: F.linear(x, w) for w in bcopies], a.reps)
+        del bcopies, wb
+        t_read, how = read_floor(wbytes, a.reps)
+        print(f"{spec} x {a.rows}: {wbytes / 1e6:.1f} MB int4; bf16 {t_bf16 * 1e6:.2f} us (x2: {t_bf16 * 5e5:.2f}, "
+              f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how})", flush=True)
+        found = reference_paths(x, iw, copies, a.reps)
+        steps = k // 128
+        rows = []
+        for ks in sorted({s for s in (4, 8, 16, 32) if s <= steps}):
+            for warps in sorted({ks, 2 * ks} & set(range(1, 33))):
+                for occ in (16, 32):
+                    try:
+                        res = []
+                        for nomath in (False, True):
+                            y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, nomath=nomath)
+                            torch.cuda.synchronize()
+                            if not nomath:
+                                err = ((y.float() - ref).norm() / ref.norm()).item()
+                                if not err < 1e-2:
+                                    raise RuntimeError(f"wrong (rel err {err:.2g})")
+                            res.append(graph_time([lambda w=w, nm=nomath: C.gemv_ksplit(
+                                x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm) for w in copies], a.reps))
+                        _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
+                        shape = C.KsplitShape(16, k // 16, ks, wps, a.rows, True, False, minb)
+                        rows.append((res[0], res[1], ks, warps, occ, regs(shape, idx)))
+                    except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
+                        print(f"  ks{ks} w{warps} occ{occ}: {type(exc).__name__}: {str(exc)[:120]}")
+        for t, name in found:
+            print(f"  {name:<34} {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {t / t_read:.2f}x the plain read)",
+                  flush=True)
+        rows.sort()
+        for t, tn, ks, warps, occ, nreg in rows[:a.top]:
+            print(f"  ksplit ks{ks:<2} w{warps:<2} occ{occ} ({nreg} regs): {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, "
+                  f"{wbytes / t / roof:.2f} HBM, {t / t_read:.2f}x read), nomath {tn * 1e6:6.2f} us", flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    print(f"correctness: {'all ok' if not bad else f'{bad} WRONG'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
