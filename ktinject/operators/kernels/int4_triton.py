@@ -929,8 +929,9 @@ def ksplit_class_config(k: int) -> TiledConfig:
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
-TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1 and 4 rows: 2026-12-04
-    (3072, 2048): {1},           # (4.00 and 4.03 us against ksplit's 4.07 and 4.05 in two runs: a tie)
+TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1-16 rows: 2026-12-04
+    (3072, 2048): {1, 4},        # (ties: 3.99-4.03 us against ksplit's 4.05-4.07 at one row, 5.33 / 5.38 at four)
+    (4096, 4096): {16},          # (22.5 against dot_x's 24.9 us, python -m ktinject.bench_gpu --only int4)
     24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row before the
 }                                # K split; where the CUDA class holds a config (ksplit, diag) that runs instead
 
