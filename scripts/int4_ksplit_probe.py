@@ -4,7 +4,7 @@ next to bf16, the plain read of the same bytes, `linear_int4`'s path today and t
 
     python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4]
 
-First a correctness pass (1, 2, 4 and 8 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
+First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
 over a grid of (ksplit, warps a block, occupancy), each config as it is and with its unpacking and mma
 removed (`nomath`), with the registers a thread takes.
@@ -36,6 +36,9 @@ def check_all() -> int:
         (3072, 2048, -1, 16, 1, torch.bfloat16, False, 16, 32),
         (96, 392, 128, 16, 3, torch.bfloat16, True, 2, 4),
         (40, 2176, 128, 16, 1, torch.float16, False, 1, 2),
+        (2048, 2048, 128, 16, 16, torch.bfloat16, True, 8, 8),
+        (1000, 1088, 128, 16, 9, torch.float16, False, 4, 8),
+        (3000, 4096, 256, 32, 13, torch.bfloat16, False, 16, 16),
     ]
     for n, k, group, pack, rows, dt, with_bias, ks, warps in cases:
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
                             res.append(graph_time([lambda w=w, nm=nomath: C.gemv_ksplit(
                                 x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm) for w in copies], a.reps))
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
-                        shape = C.KsplitShape(16, k // 16, ks, wps, a.rows, True, False, minb)
+                        shape = C.KsplitShape(16, k // 16, ks, wps, C.ksplit_rows(a.rows), True, False, minb)
                         rows.append((res[0], res[1], ks, warps, occ, regs(shape, idx)))
                     except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
                         print(f"  ks{ks} w{warps} occ{occ}: {type(exc).__name__}: {str(exc)[:120]}")

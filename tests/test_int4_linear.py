@@ -322,7 +322,9 @@ def test_shape_classes_hold_only_triton_modes():
         assert (cfg.mode, cfg.chunk, cfg.num_warps, cfg.pack) == ("ksplit", ks, ks, 16), (n, k)
     assert T.tiled_config(1, 2048, 16384, 128).mode == "fma" and T.tiled_config(1, 30000, 2048, 128).mode == "diag"
     assert T.tiled_config(1, 5000, 2048, 64).mode == "rows" and T.tiled_config(2, 5000, 2048, 128).mode == "ksplit"
-    assert T.tiled_config(5, 5000, 2048, 128).mode == "dot_x"     # (5-16 rows: not measured with it)
+    cfg = T.tiled_config(5, 5000, 2048, 128)                       # 5-16 rows: two tiles a block
+    assert (cfg.mode, cfg.chunk, cfg.num_warps, cfg.block_n) == ("ksplit", 8, 16, 32)
+    assert T.tiled_config(16, 5000, 8192, 128).num_warps == 32 and T.tiled_config(16, 60000, 2048, 128).mode == "dot_x"
     assert T.tinygemm_buckets(5000, 2048, 128, cuda_ok=False) == {1, 4}
     assert all(c.block_n == 16 * (c.num_warps // c.chunk) for c in T.TUNED.values() if c.mode == "ksplit")
     for (n, k, g, rows), cfg in T.TUNED.items():      # one pack per shape (the layout is made once)
@@ -431,17 +433,18 @@ def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, 
     (2048, 2048, 128, 16, 1, 8, 8), (2056, 2048, 128, 16, 1, 16, 16), (1000, 4096, 256, 32, 2, 16, 16),
     (4096, 2048, 256, 16, 4, 4, 8), (640, 1536, 128, 16, 8, 3, 6), (1536, 2048, -1, 16, 3, 8, 16),
     (777, 392, 128, 16, 5, 2, 4), (40, 2176, 128, 16, 1, 1, 2), (300, 20480, 128, 16, 1, 32, 32),
-    (7168, 2048, 128, 16, 1, 5, 10)])
+    (7168, 2048, 128, 16, 1, 5, 10), (2048, 2048, 128, 16, 16, 8, 8), (1000, 1088, 128, 16, 9, 4, 8),
+    (3000, 4096, 256, 32, 13, 16, 16)])
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
 def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warps, dtype, bias):
-    """The K-split tensor-core kernel (ktk_int4_ksplit): rows 1..8 (x columns of the mma, 2 a lane), N past the
+    """The K-split tensor-core kernel (ktk_int4_ksplit): rows 1..16 (x columns of one or two mma, 2 a lane), N past the
     last 16-row tile, K padding (392, 2176), splits that do not divide the steps (17 steps in 1, 160 in 32),
     several tiles a block, per channel, pack 16/32, bf16 and fp16, bias; and what it refuses."""
     from ktinject.operators.kernels import int4_cuda
     _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps),
                             n, k, group, pack, rows, dtype, bias)
     tw = P.tile(P.quantize(torch.randn(64, 512, device="cuda"), 128), 16)
-    assert "1..8 rows" in int4_cuda.ksplit_fits(tw, 9, 2, 2)
+    assert "1..16 rows" in int4_cuda.ksplit_fits(tw, 17, 2, 2)
     with pytest.raises(ValueError, match="multiple of ksplit"):
         int4_cuda.gemv_ksplit(torch.randn(1, 512, device="cuda", dtype=dtype), tw, ksplit=3, warps=4)
 
@@ -473,7 +476,7 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
                                             ((102400, 2048), 1, "diag"),
                                             ((102400, 2048), 2, "diag"), ((102400, 2048), 3, "diag"),
                                             ((30000, 2048), 4, "diag"), ((20000, 2048), 4, "ksplit"),
-                                            ((5000, 2048), 3, "ksplit")])
+                                            ((5000, 2048), 3, "ksplit"), ((5000, 2048), 12, "ksplit")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_linear_int4_cuda_modes_load_and_capture(shape, rows, mode, dtype):
     """A layer whose config is a CUDA mode (tuned, or the CUDA class: diag for 30000 x 2048, ksplit for 20000 x

@@ -21,7 +21,7 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   of a super-step of 16 / rows steps), so each step's sum stays apart in the accumulator for a whole
   super-step and the scale work runs once per super-step instead of once per step (PTX per 16-word
   step 97 -> 64). scripts/int4_diag_emulate.py checks the fragment design lane by lane in numpy.
-* `gemv_ksplit` (mode "ksplit", 1-8 rows): the mma's roles swapped, weights as A (16 rows a tile, no zero
+* `gemv_ksplit` (mode "ksplit", 1-16 rows): the mma's roles swapped, weights as A (16 rows a tile, no zero
   fragments: per 16 weights a lane 14 unpacking instructions, one shared load and two mma) and x as B, and
   K split over the warps of a block (a few warps a 16-row tile, each a slice of K, sums added in a fixed
   order in shared memory): the small and mid-size matrices get every SM busy with all their loads in flight.
@@ -581,22 +581,30 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define KWC (NSTEP * 16)                             // words a row
 #define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
 #define TR 16                                        // rows a tile (the mma's 16 A rows)
+#define NG8 ((MR + 7) / 8)                           // groups of 8 x rows (the 8 B columns of an mma)
+#if EXACT
+#define MLIVE MR                                     // rows stored: all MR (compile-time: tighter code)
+#else
+#define MLIVE M                                      // rows stored: the call's M < MR
+#endif
 
-// The small matrices' GEMV (mode "ksplit", 1-8 rows of x). The mma's roles are those of ktk_int4_mma
+// The small matrices' GEMV (mode "ksplit", 1-16 rows of x). The mma's roles are those of ktk_int4_mma
 // swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
 // + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
 // (column g = x row g, the same staged pairs as ktk_int4_mma), so every mma does 16 rows x 16 inputs of
-// useful work with no zero fragments, and the D column m holds x row m. K is split over the warps of a
+// useful work with no zero fragments, and the D column m holds x row m (past 8 rows, a second mma on the
+// same unpacked A takes x rows 8..15). K is split over the warps of a
 // block: KS warps share one 16-row tile, warp w taking the steps (w % KS) * SPW .. + SPW - 1, so a matrix
 // of a few hundred tiles still has every SM busy with all of its loads in flight at once. Each warp issues
 // the loads of all its steps (and their scales) before the x staging, whose barrier then waits under the
 // weights' latency. Per step, the lanes that hold x columns (2 c < MR) add s (D - MAGIC_V X) + m X; the KS
-// warps' sums meet in shared memory and are added in a fixed order (deterministic). MR (rows of x) and the
+// warps' sums meet in shared memory and are added in a fixed order (deterministic). MR (the rows of x
+// rounded up to 1, 2, 4, 8 or 16; rows M..MR-1 are staged as copies of row M-1 and not stored) and the
 // steps of a row are compile-time constants.
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
                 const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
-                int N, int K, int KW_, int g_shift, int NG, int M_, int stride_xm, int stride_om, int xvec)
+                int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm, int stride_om, int xvec)
 {
     extern __shared__ u32 smem[];
     u32* xp = smem;                                  // [MR][KWP] x pairs
@@ -635,7 +643,11 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         const bool ok = idx < MR * NSTEP * 16;
         const unsigned i = r / 2, tile = st * 16 / P, j0 = st * 16 % P + (r % 2) * 8;
         const int k0 = tile * 8 * P + i * P + j0;
+#if EXACT                                            // (M == MR: no clamp; the staging compiles tighter without it)
         const u16* xm = x + (size_t)(ok ? m : 0) * stride_xm;
+#else
+        const u16* xm = x + (size_t)min((int)m, M - 1) * stride_xm;   // rows M..MR-1: copies of row M-1
+#endif
         u32 v[4] = {0u, 0u, 0u, 0u};
         if (ok && xvec && k0 + 8 <= K) {
             const uint4 q = __ldg((const uint4*)(xm + k0));
@@ -662,54 +674,76 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     }
     __syncthreads();
 
-    const u32* xrow = xp + (g < MR ? g : 0) * KWP + 16 * c + 4 * (c >> 1);   // B column g: x row g
-    const int m0 = hold ? 2 * c : 0, m1 = 2 * c + 1 < MR ? 2 * c + 1 : m0;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};             // (ra, m0), (ra, m1), (rb, m0), (rb, m1)
+    // x rows in groups of 8 (NG8 = 1 or 2), one mma's B columns each: group h, column g = x row 8 h + g
+    const u32* xrow[NG8];
+    int m0[NG8], m1[NG8];                            // this lane's two x rows of group h (clamped copies past MR)
+#pragma unroll
+    for (int h = 0; h < NG8; h++) {
+        xrow[h] = xp + (8 * h + g < MR ? 8 * h + g : 0) * KWP + 16 * c + 4 * (c >> 1);
+        m0[h] = 8 * h + 2 * c < MR ? 8 * h + 2 * c : 0;
+        m1[h] = 8 * h + 2 * c + 1 < MR ? 8 * h + 2 * c + 1 : m0[h];
+    }
+    float acc[NG8][4];                               // per group: (ra, m0), (ra, m1), (rb, m0), (rb, m1)
+#pragma unroll
+    for (int h = 0; h < NG8; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
         const int st = s_lo + s;
         if (st < NSTEP) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};   // two chains of mma
+            float d[NG8][4], e[NG8][4];              // two chains of mma per group
+#pragma unroll
+            for (int h = 0; h < NG8; h++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) d[h][i] = e[h][i] = 0.f;
             const u32 va[4] = {wa[s].x, wa[s].y, wa[s].z, wa[s].w};
             const u32 vb[4] = {wb[s].x, wb[s].y, wb[s].z, wb[s].w};
 #pragma unroll
             for (int u = 0; u < 4; u++) {
 #if NOMATH                                           // (probe: the loads and the loop alone)
-                d[u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
+                d[0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
                 continue;
 #endif
-                const u32 A = va[u], B = vb[u];
-                const uint4 xv = *(const uint4*)&xrow[(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3 of the word
-                mma((u & 1) ? e : d, (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
-                    ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
-                mma((u & 1) ? e : d, ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
-                    ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
+                const u32 A = va[u], B = vb[u];      // (the nibble pairs' lop3s are shared by the groups)
+#pragma unroll
+                for (int h = 0; h < NG8; h++) {
+                    const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
+                    mma((u & 1) ? e[h] : d[h], (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
+                        ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
+                    mma((u & 1) ? e[h] : d[h], ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
+                        ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
+                }
             }
-            if (hold) {
-                const float X0 = xsum[m0 * NSTEP + st], X1 = xsum[m1 * NSTEP + st];
-                const float Sa = h2f((u16)(pa[s] & 0xFFFFu)), Ma = h2f((u16)(pa[s] >> 16));
-                const float Sb = h2f((u16)(pb[s] & 0xFFFFu)), Mb = h2f((u16)(pb[s] >> 16));
-                acc[0] += Sa * (d[0] + e[0] - MAGIC_V * X0) + Ma * X0;
-                acc[1] += Sa * (d[1] + e[1] - MAGIC_V * X1) + Ma * X1;
-                acc[2] += Sb * (d[2] + e[2] - MAGIC_V * X0) + Mb * X0;
-                acc[3] += Sb * (d[3] + e[3] - MAGIC_V * X1) + Mb * X1;
+#pragma unroll
+            for (int h = 0; h < NG8; h++) {
+                if (8 * h + 2 * c < MR) {
+                    const float X0 = xsum[m0[h] * NSTEP + st], X1 = xsum[m1[h] * NSTEP + st];
+                    const float Sa = h2f((u16)(pa[s] & 0xFFFFu)), Ma = h2f((u16)(pa[s] >> 16));
+                    const float Sb = h2f((u16)(pb[s] & 0xFFFFu)), Mb = h2f((u16)(pb[s] >> 16));
+                    acc[h][0] += Sa * (d[h][0] + e[h][0] - MAGIC_V * X0) + Ma * X0;
+                    acc[h][1] += Sa * (d[h][1] + e[h][1] - MAGIC_V * X1) + Ma * X1;
+                    acc[h][2] += Sb * (d[h][2] + e[h][2] - MAGIC_V * X0) + Mb * X0;
+                    acc[h][3] += Sb * (d[h][3] + e[h][3] - MAGIC_V * X1) + Mb * X1;
+                }
             }
         }
     }
 #if KS > 1
-    if (hold) {
-        part[(warp * TR + g) * MR + m0] = acc[0];
-        part[(warp * TR + g + 8) * MR + m0] = acc[2];
-        if (2 * c + 1 < MR) {
-            part[(warp * TR + g) * MR + m1] = acc[1];
-            part[(warp * TR + g + 8) * MR + m1] = acc[3];
+#pragma unroll
+    for (int h = 0; h < NG8; h++) {
+        if (8 * h + 2 * c < MR) {
+            part[(warp * TR + g) * MR + m0[h]] = acc[h][0];
+            part[(warp * TR + g + 8) * MR + m0[h]] = acc[h][2];
+            if (8 * h + 2 * c + 1 < MR) {
+                part[(warp * TR + g) * MR + m1[h]] = acc[h][1];
+                part[(warp * TR + g + 8) * MR + m1[h]] = acc[h][3];
+            }
         }
     }
     __syncthreads();
     if (warp % KS == 0 && nt < n_tiles) {            // the tile's first warp adds the KS sums in order
         for (int i = lane; i < TR * MR; i += 32) {
             const int r = i / MR, m = i - r * MR, n = nt * TR + r;
-            if (n < N) {
+            if (n < N && m < MLIVE) {
                 float y = 0.f;
 #pragma unroll
                 for (int s = 0; s < KS; s++) y += part[((warp + s) * TR + r) * MR + m];
@@ -721,16 +755,19 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         }
     }
 #else
-    if (hold && nt < n_tiles) {
+    if (nt < n_tiles) {
 #pragma unroll
-        for (int h = 0; h < 4; h++) {
-            const int n = nt * TR + g + (h >> 1) * 8, m = (h & 1) ? 2 * c + 1 : 2 * c;
-            if (n < N && m < MR) {
-                float y = acc[h];
+        for (int h = 0; h < NG8; h++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int n = nt * TR + g + (q >> 1) * 8, m = 8 * h + 2 * c + (q & 1);
+                if (n < N && m < MLIVE) {
+                    float y = acc[h][q];
 #if HAS_BIAS
-                y += to_f32(bias[n]);
+                    y += to_f32(bias[n]);
 #endif
-                out[(size_t)m * stride_om + n] = from_f32(y);
+                    out[(size_t)m * stride_om + n] = from_f32(y);
+                }
             }
         }
     }
@@ -787,6 +824,7 @@ def source(shape) -> str:
     then the kernel."""
     if isinstance(shape, KsplitShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
+                  "EXACT": int(shape.exact),
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
@@ -1096,7 +1134,7 @@ def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: in
     return out
 
 
-KSPLIT_MAX_ROWS = 8
+KSPLIT_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -1105,11 +1143,12 @@ class KsplitShape:
     steps: int            # 16-word steps per row
     ksplit: int           # warps sharing one 16-row tile, each ceil(steps / ksplit) consecutive steps
     warps: int            # a multiple of ksplit: warps // ksplit tiles a block
-    rows: int             # rows of x (1..8)
+    rows: int             # rows of x rounded up to 1, 2, 4, 8 or 16 (the binary's capacity)
     bf16: bool
     bias: bool
     min_blocks: int = 1   # __launch_bounds__ minimum blocks per SM (caps the registers a thread takes)
     nomath: bool = False  # (probe: the loads and the loop only, no unpacking or mma)
+    exact: bool = True    # the call's rows are `rows` (else fewer: the staging clamps its row index)
 
 
 def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int) -> int:
@@ -1128,6 +1167,12 @@ def ksplit_launch(w, ksplit: int, warps: int, occupancy: int = 32) -> tuple[int,
     return ksplit, tpb * ksplit, -(-n_tiles // tpb), max(1, occupancy // (tpb * ksplit))
 
 
+def ksplit_rows(m: int) -> int:
+    """The rows a ktk_int4_ksplit binary holds for `m` rows of x: 1, 2, 4, 8 or 16 (one binary for exactly
+    that many rows and one for fewer)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
 def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None) -> str | None:
     """Why the K-split GEMV cannot take `m` rows on `w` with this split (on GPU `device_index`: its shared
     memory) (None when it can)."""
@@ -1136,14 +1181,14 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
     why = mma_fits(w, m)
     if why is None and device_index is not None:
         ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps))
-        if ksplit_shared_bytes(m, int(w.qweight.shape[1]), wps, ks) > smem_limit(device_index):
+        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks) > smem_limit(device_index):
             why = f"{m} rows of {w.in_features} inputs do not fit in shared memory"
     return why
 
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False) -> torch.Tensor:
-    """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 8) bf16/fp16, `w` an `Int4Tiled` with pack 16
+    """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     or 32 and one group per tile; [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a slice of K
     (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch bound
     asks for."""
@@ -1157,9 +1202,10 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
     ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy)
-    smem = ksplit_shared_bytes(m, kw, warps, ks)
-    shape = KsplitShape(w.pack, kw // 16, ks, warps, m, x.dtype == torch.bfloat16, bias is not None, min_blocks,
-                        nomath)
+    mr = ksplit_rows(m)
+    smem = ksplit_shared_bytes(mr, kw, warps, ks)
+    shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, x.dtype == torch.bfloat16, bias is not None, min_blocks,
+                        nomath, m == mr)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,

@@ -289,7 +289,7 @@ class TiledConfig:
     #                                 cuda (M = 1: the NVRTC kernel of int4_cuda; block_n / num_warps rows a warp)
     #                                 mma (M <= 16: int4_cuda's tensor-core kernel; block_n = 8 x num_warps)
     #                                 diag (M <= 16: as mma, scale work once per super-step; block_n = 8 x warps)
-    #                                 ksplit (M <= 8: int4_cuda's K-split tensor-core kernel; chunk warps share
+    #                                 ksplit (M <= 16: int4_cuda's K-split tensor-core kernel; chunk warps share
     #                                   a 16-row tile, each a slice of K; block_n = 16 x num_warps / chunk)
     block_n: int = 64               # rows per program
     num_warps: int = 4
@@ -830,8 +830,8 @@ def warm_up(w, rows: int, cfg: TiledConfig, with_bias: bool = False) -> None:
         return
     if cfg.mode == "diag":        # one binary per power of two of rows: every one the bucket holds
         counts = {m for m in (1, 2, 4, 8, 16) if rows_bucket(m) == rows_bucket(rows)}
-    elif cfg.mode == "ksplit":    # one binary per row count: every one of the bucket it takes (<= 8)
-        counts = {m for m in range(1, int4_cuda.KSPLIT_MAX_ROWS + 1) if rows_bucket(m) == rows_bucket(rows)}
+    elif cfg.mode == "ksplit":    # per power of two of rows, one binary for exactly that many and one for fewer
+        counts = {m for m in (1, 2, 3, 4, 5, 8, 9, 16) if rows_bucket(m) == rows_bucket(rows)}
     else:                         # mma: one binary up to 8 rows, one past 8; cuda: one row
         counts = {rows, min(rows, 8)} if cfg.mode != "cuda" else {rows}
     with torch.cuda.device(w.qweight.device):      # (loading need not make the layer's GPU current)
@@ -878,8 +878,13 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     # four rows (device run 2)
     (21888, 2048, 128, 4): TiledConfig("ksplit", block_n=32, num_warps=8, chunk=4, pack=16),   # 17.55 / 28.73 / 20.38 (diag 22.50)
     (4096, 2048, 128, 4): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 5.24 / 7.32 / 5.82 (dot_x 12.77)
+    # 16 rows (device run 5; the bucket holds 5-16 rows: 8 rows measured where noted)
+    (4096, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 7.87 / 7.50 / 12.84 (dot_x 14.27)
+    (4096, 4096, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 13.21 / 13.72 / 22.10 (dot_x 24.73); 8 rows 9.47 / 13.44 / 13.43
+    (10944, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=16, chunk=8, pack=16),   # 19.15 / 15.18 / 29.10 (dot_x 22.30)
+    (21888, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=16, chunk=8, pack=16),   # 33.36 / 27.84 / 53.42 (dot_x 36.38); 8 rows 21.88 / 26.72 / 32.31
     (2048, 2048, 128, 4): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 4.12 / 6.19 / 4.77 (dot_x 6.33)
-    (2048, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=528, reduce='atomic', pack=16),   # 7.1 / 6.2 / 7.7
+    (2048, 2048, 128, 16): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 16 rows 7.19 / 6.15 / 7.55 (dot_x 7.02); 8 rows 4.84 / 6.21 / 5.56 (dot_x 6.74)
     (2048, 2048, 32, 1): TiledConfig("rows", block_n=4, num_warps=4, pack=16),   # 5.9 / 6.3 / 4.5
     (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / rejects per-channel
 }
@@ -911,27 +916,30 @@ CUDA_CLASS = {1: TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, 
               4: TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16)}
 CUDA_CLASS_MIN_MB = 40.0
 CUDA_CLASS_MAX_K = 2048
-# One to four rows below that: the K-split kernel (ksplit). At one row it beat rows, cuda, diag and tinygemm
+# 1-16 rows below that: the K-split kernel (ksplit). At one row it beat rows, cuda, diag and tinygemm
 # on every measured shape from 8 to 90 MB of bf16 but 3072 x 2048 (a tie with tinygemm) (twentieth session:
 # 2048 to 21888 rows of 2048 inputs, 4096 x 4096, 1536 x 7168, 7168 x 1536; not the 420 MB lm_head, where
 # diag stays 3% faster); at four rows it beat dot_x, diag and tinygemm on all three shapes measured (2048,
-# 4096, 21888 x 2048). The class config gives each warp two 128-input steps of a 16-row tile (K split =
-# steps / 2, one tile a block); KSPLIT_CLASS_MAX_MB and KSPLIT_CLASS_MAX_K bound where it was measured and
-# where a block stays within 32 warps.
+# 4096, 21888 x 2048); at 8 and 16 rows it beat dot_x and tinygemm on every shape measured (2048 and 4096
+# x 2048, 4096 x 4096, 10944 and 21888 x 2048; 2048 x 2048 at 16 rows: 7.19 against dot_x's 7.02 us). The
+# class config gives each warp two 128-input steps of a 16-row tile (K split = steps / 2), one tile a
+# block at 1-4 rows and two at 5-16 (where that measured faster); KSPLIT_CLASS_MAX_MB and
+# KSPLIT_CLASS_MAX_K bound where it was measured and where a block stays within 32 warps.
 KSPLIT_CLASS_MAX_MB = 100.0
 KSPLIT_CLASS_MAX_K = 8192
 
 
-def ksplit_class_config(k: int) -> TiledConfig:
-    """The K-split config of the class (1-4 rows) for K inputs: two 128-input steps a warp, one 16-row tile a block."""
+def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
+    """The K-split config of the class for K inputs and a rows bucket: two 128-input steps a warp, one 16-row
+    tile a block (two in the 16-rows bucket, where a block stays within 32 warps)."""
     ks = max(1, min(32, -(-k // 128) // 2))
-    return TiledConfig("ksplit", block_n=16, num_warps=ks, chunk=ks, pack=16)
+    tiles = 2 if bucket == 16 and 2 * ks <= 32 else 1
+    return TiledConfig("ksplit", block_n=16 * tiles, num_warps=ks * tiles, chunk=ks, pack=16)
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
 TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1-16 rows: 2026-12-04
     (3072, 2048): {1, 4},        # (ties: 3.99-4.03 us against ksplit's 4.05-4.07 at one row, 5.33 / 5.38 at four)
-    (4096, 4096): {16},          # (22.5 against dot_x's 24.9 us, python -m ktinject.bench_gpu --only int4)
     24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row before the
 }                                # K split; where the CUDA class holds a config (ksplit, diag) that runs instead
 
@@ -967,8 +975,8 @@ def class_config(m: int, n: int, k: int) -> TiledConfig:
 def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> TiledConfig | None:
     """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class):
     None too where the group is smaller than a tile (8 x pack inputs), which the tensor-core kernels refuse."""
-    if rows_bucket(m) <= 4 and k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB:
-        cfg = ksplit_class_config(k)
+    if k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB:
+        cfg = ksplit_class_config(k, rows_bucket(m))
         return cfg if group is None or group >= min(k, 8 * cfg.pack) else None
     if k <= CUDA_CLASS_MAX_K and n * k * 2 / 1e6 >= CUDA_CLASS_MIN_MB:
         cfg = CUDA_CLASS.get(rows_bucket(m))
