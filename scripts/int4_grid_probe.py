@@ -62,6 +62,24 @@ def read_floor(nbytes: int, reps: int) -> tuple[float, str]:
     return best
 
 
+def shape_setup(n: int, k: int, rows: int, reps: int):
+    """A random [N, K] weight of groups of 128 in the tiled layout (pack 16) with enough copies to pass the L2,
+    `rows` bf16 rows of x, the fp32 reference, and the times of bf16 F.linear and of the plain read of the
+    int4 bytes: (iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, how))."""
+    torch.manual_seed(0)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
+    w0 = P.tile(iw, 16)
+    wbytes = w0.qweight.numel() * 4 + 2 * w0.scales.numel() * 2
+    copies = [w0] + [P.tile(iw, 16) for _ in range(max(1, -(-L2_BYTES // wbytes)) - 1)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ P.dequantize(iw).T
+    wb = P.dequantize(iw, torch.bfloat16)
+    bcopies = [wb] + [wb.clone() for _ in range(max(1, -(-L2_BYTES // (wb.numel() * 2))) - 1)]
+    t_bf16 = graph_time([lambda w=w: F.linear(x, w) for w in bcopies], reps)
+    del bcopies, wb
+    return iw, w0, wbytes, copies, x, ref, t_bf16, read_floor(wbytes, reps)
+
+
 def reference_paths(x, iw, copies, reps):
     """(seconds, name) of linear_int4's path today and of torch's tinygemm on the same weight."""
     out = [(graph_time([lambda w=w: int4_gemv_tiled(x, w) for w in copies], reps), "today (int4_gemv_tiled)")]
@@ -104,19 +122,8 @@ def main(argv=None) -> int:
     idx = C.device_index(dev)
     for spec in a.shapes.split(","):
         n, k = map(int, spec.split("x"))
-        torch.manual_seed(0)
-        iw = P.quantize(torch.randn(n, k, device=dev) * 0.02, 128)
-        w0 = P.tile(iw, 16)
-        wbytes = w0.qweight.numel() * 4 + 2 * w0.scales.numel() * 2
-        copies = [w0] + [P.tile(iw, 16) for _ in range(max(1, -(-L2_BYTES // wbytes)) - 1)]
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, how) = shape_setup(n, k, 1, a.reps)
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
-        ref = x.float() @ P.dequantize(iw).T
-        wb = P.dequantize(iw, torch.bfloat16)
-        bcopies = [wb] + [wb.clone() for _ in range(max(1, -(-L2_BYTES // (wb.numel() * 2))) - 1)]
-        t_bf16 = graph_time([lambda w=w: F.linear(x, w) for w in bcopies], a.reps)
-        del bcopies, wb
-        t_read, how = read_floor(wbytes, a.reps)
         print(f"{spec}: {wbytes / 1e6:.1f} MB int4; bf16 {t_bf16 * 1e6:.2f} us (x2: {t_bf16 * 5e5:.2f}, "
               f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how}, "
               f"{wbytes / t_read / roof:.2f} of the roofline)", flush=True)

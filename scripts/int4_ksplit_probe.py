@@ -16,12 +16,11 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line, read_bandwidth  # noqa: E402
+from ktinject.bench_gpu import graph_time, hardware_line, read_bandwidth  # noqa: E402
 from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E402
-from int4_grid_probe import read_floor, reference_paths, regs  # noqa: E402  (this folder)
+from int4_grid_probe import reference_paths, regs, shape_setup  # noqa: E402  (this folder)
 
 
 def check_all() -> int:
@@ -81,18 +80,7 @@ def main(argv=None) -> int:
     idx = C.device_index("cuda")
     for spec in a.shapes.split(","):
         n, k = map(int, spec.split("x"))
-        torch.manual_seed(0)
-        iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
-        w0 = P.tile(iw, 16)
-        wbytes = w0.qweight.numel() * 4 + 2 * w0.scales.numel() * 2
-        copies = [w0] + [P.tile(iw, 16) for _ in range(max(1, -(-L2_BYTES // wbytes)) - 1)]
-        x = torch.randn(a.rows, k, device="cuda", dtype=torch.bfloat16)
-        ref = x.float() @ P.dequantize(iw).T
-        wb = P.dequantize(iw, torch.bfloat16)
-        bcopies = [wb] + [wb.clone() for _ in range(max(1, -(-L2_BYTES // (wb.numel() * 2))) - 1)]
-        t_bf16 = graph_time([lambda w=w: F.linear(x, w) for w in bcopies], a.reps)
-        del bcopies, wb
-        t_read, how = read_floor(wbytes, a.reps)
+        iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, how) = shape_setup(n, k, a.rows, a.reps)
         print(f"{spec} x {a.rows}: {wbytes / 1e6:.1f} MB int4; bf16 {t_bf16 * 1e6:.2f} us (x2: {t_bf16 * 5e5:.2f}, "
               f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how})", flush=True)
         found = reference_paths(x, iw, copies, a.reps)

@@ -1060,8 +1060,7 @@ def gemv_mma(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: int
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
     _launch(shape, idx, blocks, warps, mma_shared_bytes(m, kw),
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
-             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)])
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
     return out
 
 
@@ -1129,8 +1128,7 @@ def gemv_diag(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, warps: in
         blocks = min(blocks, ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
-             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
-             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)])
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0)])
     return out
 
 
