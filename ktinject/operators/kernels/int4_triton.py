@@ -303,7 +303,6 @@ class TiledConfig:
     chunk: int = 16                 # mode rows: tiles per load wave (power of two); rows never splits K
     #                                 mode cuda: 128-word steps per load batch; mma, diag: 16-word steps
     ctas: int = 0                   # modes mma, diag: blocks per SM of a persistent grid (0: a warp per 8 rows)
-    occupancy: int = 32             # mode ksplit: warps an SM its launch bound asks for (caps the registers)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -743,8 +742,7 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
             if cfg.mode == "ksplit":
-                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps,
-                                             occupancy=cfg.occupancy)
+                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps)
             if cfg.mode == "diag":
                 return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
                                            stages=cfg.num_stages if cfg.num_stages > 1 else 0)
