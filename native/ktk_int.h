@@ -57,6 +57,12 @@ int64_t ktk_moe_hidden(const struct ktk_moe *m);
 static inline void ktk_prefetch(const uint8_t *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)((uintptr_t)p + (uintptr_t)o), 0, 3);
 }
+/* out[r] = dot(row r, x) for r < nrows, rows rs apart (linear.c): chunks of 64 rows in 16 passes of
+ * four rows 16 apart, each pass prefetching the next one's rows when pf is set, as the MoE decode
+ * reads its rows (four streams that each run sequentially; four rows side by side, read block by
+ * block, defeat the hardware prefetchers), the rest in one call; the same values as one dotn call. */
+void ktk_dotn_spread(ktk_dotn_fn dotn, const uint8_t *row, int64_t rs, int64_t nrows, const float *xf,
+                     const ktk_q8 *xq, int64_t n, float *out, int pf);
 /* a ktk_dotn_fn that loops over a ktk_dot_fn (types without a multi-row kernel) */
 #define KTK_DOTN_LOOP(NAME, DOT, TYPE)                                                                       \
     static void NAME(const uint8_t *row, int64_t rs, int nrows, const float *xf, const ktk_q8 *xq, int64_t n, \

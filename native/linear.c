@@ -31,10 +31,25 @@ static void lin_rows(const lin_ctx *c, int64_t item) {
     float out[LIN_CH];
     for (int64_t t = 0; t < c->T; t++) {
         const ktk_q8 *xa = c->xq ? (const ktk_q8 *)(c->xq + t * c->ab) : NULL;   /* NULL: float rows */
-        c->K->dotn[c->type](c->w + r0 * c->rb, c->rb, nr, c->x + t * c->n, xa, c->n,
-                            out, NULL);
+        /* the first token reads the rows from memory (prefetched); the others find them in L2 */
+        ktk_dotn_spread(c->K->dotn[c->type], c->w + r0 * c->rb, c->rb, nr, c->x + t * c->n, xa, c->n, out, t == 0);
         memcpy(c->y + t * c->rows + r0, out, (size_t)nr * sizeof(float));
     }
+}
+
+void ktk_dotn_spread(ktk_dotn_fn dotn, const uint8_t *row, int64_t rs, int64_t nrows, const float *xf,
+                     const ktk_q8 *xq, int64_t n, float *out, int pf) {
+    enum { CH = 64, G = 4, S = CH / G };
+    int64_t r0 = 0;
+    for (; r0 + CH <= nrows; r0 += CH) {
+        const uint8_t *w = row + r0 * rs;
+        for (int p = 0; p < S; p++) {
+            float o[G];
+            dotn(w + p * rs, S * rs, G, xf, xq, n, o, pf && p + 1 < S ? w + (p + 1) * rs : NULL);
+            for (int q = 0; q < G; q++) out[r0 + p + q * S] = o[q];
+        }
+    }
+    if (r0 < nrows) dotn(row + r0 * rs, rs, (int)(nrows - r0), xf, xq, n, out + r0, NULL);
 }
 
 static void lin_item(void *ctx, int phase, int64_t item, int tid) {

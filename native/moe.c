@@ -656,7 +656,7 @@ int ktk_gemv(int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t row
     K->quant_act(x, xq, nq);
     for (int64_t r = 0; r < rows; r += 1 << 20) {   /* the multi-row dot takes an int row count */
         int nr = rows - r < (1 << 20) ? (int)(rows - r) : 1 << 20;
-        K->dotn[type](w + r * row_bytes, row_bytes, nr, x, xq, n, y + r, NULL);
+        ktk_dotn_spread(K->dotn[type], w + r * row_bytes, row_bytes, nr, x, xq, n, y + r, 1);
     }
     free(xq);
     return KTK_OK;

@@ -274,8 +274,6 @@ static void gemm_q8_avx2(const uint8_t *U, const float *S, const float *Mn, int6
 }
 
 KTK_DOTN_LOOP(dotn_f32_avx2, dot_f32_avx2, KTK_F32)
-KTK_DOTN_LOOP(dotn_f16_avx2, dot_f16_avx2, KTK_F16)
-KTK_DOTN_LOOP(dotn_bf16_avx2, dot_bf16_avx2, KTK_BF16)
 
 const ktk_kernels ktk_kernels_avx2 = {
     .dot = {[KTK_F32] = dot_f32_avx2, [KTK_F16] = dot_f16_avx2, [KTK_BF16] = dot_bf16_avx2,

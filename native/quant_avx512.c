@@ -231,8 +231,6 @@ static uint64_t stream_avx512(const uint8_t *p, size_t n) {
 }
 
 KTK_DOTN_LOOP(dotn_f32_avx512, dot_f32_avx512, KTK_F32)
-KTK_DOTN_LOOP(dotn_f16_avx512, dot_f16_avx512, KTK_F16)
-KTK_DOTN_LOOP(dotn_bf16_avx512, dot_bf16_avx512, KTK_BF16)
 
 const ktk_kernels ktk_kernels_avx512 = {
     .dot = {[KTK_F32] = dot_f32_avx512, [KTK_F16] = dot_f16_avx512, [KTK_BF16] = dot_bf16_avx512,

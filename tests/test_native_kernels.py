@@ -56,6 +56,45 @@ def test_gemv(isa, qt):
     assert rel_err(y, ref.float()) < _gemv_tol(isa, qt), (isa, qt.name)
 
 
+def _float_rows(qt: QT, rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """F32 / F16 / BF16 rows as GGML stores them (uint8 [rows, row_bytes]) and their values."""
+    dt = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}[qt]
+    v = (torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * 0.05).to(dt)
+    return v.view(torch.uint8).reshape(rows, -1).contiguous(), v.float()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", [QT.BF16, QT.F16, QT.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [8, 24, 37, 1000, 2048])
+def test_float_rows_gemv(isa, qt, n):
+    """Float rows (the four-row BF16 / F16 kernel: 16-value steps, an 8-value step, a scalar tail)
+    against float64, over more than one 64-row chunk of the spread row order (ktk_dotn_spread:
+    passes of four rows 16 apart, the rest in one call); any row range gives the whole call's
+    values bit for bit."""
+    w, v = _float_rows(qt, 150, n, seed=n)
+    x = torch.randn(n)
+    full = native.gemv(int(qt), w, n, x, isa)
+    assert rel_err(full, (v.double() @ x.double()).float()) < 1e-5, (isa, qt.name, n)
+    for start, count in ((0, 64), (3, 70), (63, 2), (100, 50), (149, 1), (0, 150)):
+        part = native.gemv(int(qt), w[start:start + count].contiguous(), n, x, isa)
+        assert torch.equal(part, full[start:start + count]), (isa, qt.name, n, start, count)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
+def test_gemv_spread_chunks(isa, qt):
+    """Quantized rows over several 64-row chunks of the spread order (four-row passes 16 apart,
+    two-row passes for Q5_K) and a remainder: any row range gives the whole call's values."""
+    n = 256
+    w = rand_rows(qt, 200, n, seed=3)
+    x = torch.randn(n)
+    full = native.gemv(int(qt), w, n, x, isa)
+    assert rel_err(full, (dequant(qt, w, n).double() @ x.double()).float()) < _gemv_tol(isa, qt), (isa, qt.name)
+    for start, count in ((0, 64), (5, 130), (64, 64), (190, 10), (1, 199)):
+        part = native.gemv(int(qt), w[start:start + count].contiguous(), n, x, isa)
+        assert torch.equal(part, full[start:start + count]), (isa, qt.name, start, count)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qt", QUANTS, ids=lambda q: q.name)
 def test_gemv_row_subsets(isa, qt):
