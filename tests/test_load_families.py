@@ -18,6 +18,7 @@ from ktinject.operators.experts import TorchExperts
 from ktinject.operators.linear import TorchLinear
 from ktinject.operators.moe import OverlappedMoe
 from ktinject.testing import FAMILIES, build_tiny, save_tiny
+from ktinject.generate import _cache_kwarg
 
 ATOL = 1e-4
 
@@ -80,7 +81,8 @@ def test_cpu_pack_logits_equal_reference(family, model_dirs, tmp_path):
     # incremental decode through the KV cache agrees too
     with torch.no_grad():
         out = model(ids[:, :-1], use_cache=True)
-        step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        past = out["cache"] if "cache" in out else out["past_key_values"]   # renamed in transformers 5.2x
+        step = model(ids[:, -1:], **{_cache_kwarg(model): past}, use_cache=True).logits
     torch.testing.assert_close(step[:, -1], want[:, -1], atol=ATOL, rtol=0)
     assert tok is not None and tok.decode(tok("héllo")["input_ids"], skip_special_tokens=True) == "héllo"
 

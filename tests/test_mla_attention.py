@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from ktinject.errors import LoadError, ModelError
 from ktinject.operators import BuildContext, get
 from ktinject.operators.mla_attention import MLAAttention, MLAOptions
+from ktinject.generate import _cache_kwarg
 from ktinject.testing import build_tiny, greedy_recomputed
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
@@ -48,12 +49,12 @@ def test_prefill_and_decode_match_transformers(family, over):
     ids = torch.randint(0, ref.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
     assert close(ref(ids).logits, ours(ids).logits)
     ca, cb = DynamicCache(config=ref.config), DynamicCache(config=ours.config)
-    la = ref(ids[:, :6], past_key_values=ca, use_cache=True).logits
-    lb = ours(ids[:, :6], past_key_values=cb, use_cache=True).logits
+    la = ref(ids[:, :6], **{_cache_kwarg(ref): ca}, use_cache=True).logits
+    lb = ours(ids[:, :6], **{_cache_kwarg(ours): cb}, use_cache=True).logits
     assert close(la, lb)
     for t in range(6, 14):
-        la = ref(ids[:, t:t + 1], past_key_values=ca, use_cache=True).logits
-        lb = ours(ids[:, t:t + 1], past_key_values=cb, use_cache=True).logits
+        la = ref(ids[:, t:t + 1], **{_cache_kwarg(ref): ca}, use_cache=True).logits
+        lb = ours(ids[:, t:t + 1], **{_cache_kwarg(ours): cb}, use_cache=True).logits
         assert close(la, lb), t
     assert cb.get_seq_length() == 14
     # the transformers cache holds one value per token; the latents live in the operator
@@ -118,12 +119,12 @@ def test_gpu_bf16_decode_matches_transformers():
     ours = inject(copy.deepcopy(ref), device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 512, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     ca, cb = DynamicCache(config=ref.config), DynamicCache(config=ours.config)
-    la = ref(ids[:, :32], past_key_values=ca, use_cache=True).logits.float()
-    lb = ours(ids[:, :32], past_key_values=cb, use_cache=True).logits.float()
+    la = ref(ids[:, :32], **{_cache_kwarg(ref): ca}, use_cache=True).logits.float()
+    lb = ours(ids[:, :32], **{_cache_kwarg(ours): cb}, use_cache=True).logits.float()
     assert close(la, lb, 3e-2)
     for t in range(32, 40):
-        la = ref(ids[:, t:t + 1], past_key_values=ca, use_cache=True).logits.float()
-        lb = ours(ids[:, t:t + 1], past_key_values=cb, use_cache=True).logits.float()
+        la = ref(ids[:, t:t + 1], **{_cache_kwarg(ref): ca}, use_cache=True).logits.float()
+        lb = ours(ids[:, t:t + 1], **{_cache_kwarg(ours): cb}, use_cache=True).logits.float()
         assert close(la, lb, 3e-2)
 
 
@@ -131,6 +132,7 @@ _FUSED_INTERP = """
 import copy, torch
 from transformers import DynamicCache
 from ktinject.testing import build_tiny
+from ktinject.generate import _cache_kwarg
 from ktinject.operators import mla_attention as M
 from ktinject.operators.kernels import mla_triton
 calls = []
@@ -148,11 +150,11 @@ with torch.no_grad():
         ours = M.replace_all(copy.deepcopy(ref))
         ids = torch.randint(0, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
         ca, cb = DynamicCache(config=ref.config), DynamicCache(config=ours.config)
-        ref(ids[:, :5], past_key_values=ca, use_cache=True)
-        ours(ids[:, :5], past_key_values=cb, use_cache=True)
+        ref(ids[:, :5], **{_cache_kwarg(ref): ca}, use_cache=True)
+        ours(ids[:, :5], **{_cache_kwarg(ours): cb}, use_cache=True)
         for t in range(5, 9):
-            la = ref(ids[:, t:t + 1], past_key_values=ca, use_cache=True).logits
-            lb = ours(ids[:, t:t + 1], past_key_values=cb, use_cache=True).logits
+            la = ref(ids[:, t:t + 1], **{_cache_kwarg(ref): ca}, use_cache=True).logits
+            lb = ours(ids[:, t:t + 1], **{_cache_kwarg(ours): cb}, use_cache=True).logits
             assert err(la, lb) < 2e-4, (family, over, t, err(la, lb))
     # a reserved cache of 80 slots is 3 splits of 32 keys (split_size): positions 40-74 cross two split edges
     ref = build_tiny("deepseek_v2", seed=1)
