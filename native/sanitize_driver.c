@@ -93,6 +93,30 @@ int main(void) {
         if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "bad row bytes accepted\n"); fails++; }
         free(g); free(u); free(dn);
     }
+    /* float rows of lengths that end in every tail of the four-row kernel (16-value steps, an
+     * 8-value step, single values), over more than one 64-row chunk of the spread order: each
+     * buffer exactly as long as its rows (an overread is an ASan finding), every ISA against scalar */
+    for (int ti = 0; ti < 3; ti++) {
+        static const int ft[] = {KTK_BF16, KTK_F16, KTK_F32};
+        static const int64_t lens[] = {8, 24, 37, 1000};
+        for (size_t li = 0; li < sizeof lens / sizeof *lens; li++) {
+            const int t = ft[ti];
+            const int64_t n = lens[li], R = 150, rb = ktk_row_bytes(t, n);
+            uint8_t *wr = malloc((size_t)(R * rb));
+            float *xv = malloc((size_t)n * sizeof(float)), ya[150], yb[150];
+            fill(t, wr, R, n);
+            for (int64_t i = 0; i < n; i++) xv[i] = frand();
+            if (ktk_gemv(KTK_ISA_SCALAR, t, wr, rb, R, n, xv, ya)) { fprintf(stderr, "float gemv type %d\n", t); fails++; }
+            for (int isa = 1; isa <= KTK_ISA_AMX; isa++) {
+                if (!(feats >> isa & 1)) continue;
+                if (ktk_gemv(isa, t, wr, rb, R, n, xv, yb) || !(rel(yb, ya, R) <= 1e-5)) {
+                    fprintf(stderr, "MISMATCH float rows type %d isa %d n %lld\n", t, isa, (long long)n);
+                    fails++;
+                }
+            }
+            free(wr); free(xv);
+        }
+    }
     if (ktk_row_bytes(KTK_Q4_K, 100) != -1 || ktk_gemv(KTK_ISA_SCALAR, 99, NULL, 0, 0, 32, NULL, NULL) != KTK_EINVAL) fails++;
     if (ktk_linear(pool, KTK_ISA_SCALAR, KTK_Q8_0, NULL, 34, 4, 32, 1, NULL, NULL) != KTK_EINVAL ||
         ktk_linear(pool, KTK_ISA_SCALAR, KTK_Q8_0, (const uint8_t *)"", 30, 0, 32, 1, NULL, NULL) != KTK_EINVAL ||
