@@ -104,12 +104,24 @@ static void emu_dpbssd(int d, int a, int b) {   /* TDPBSSD: int8 x int8 quads su
             for (int k = 0; k < 64; k++) c[m * 16 + n] += (int32_t)av[m * 64 + k] * bv[(k / 4) * 64 + 4 * n + k % 4];
     memcpy(emu_tile[d], c, sizeof c);
 }
+static void emu_dpbusd(int d, int a, int b) {   /* TDPBUSD: uint8 (a) x int8 (b) quads summed into int32 */
+    int32_t c[256];
+    uint8_t av[1024];
+    int8_t bv[1024];
+    memcpy(c, emu_tile[d], sizeof c); memcpy(av, emu_tile[a], sizeof av); memcpy(bv, emu_tile[b], sizeof bv);
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++)
+            for (int k = 0; k < 64; k++) c[m * 16 + n] += (int32_t)av[m * 64 + k] * bv[(k / 4) * 64 + 4 * n + k % 4];
+    memcpy(emu_tile[d], c, sizeof c);
+}
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
 #undef _tile_dpbssd
+#undef _tile_dpbusd
 #define _tile_dpbssd(d, a, b) emu_dpbssd(d, a, b)
+#define _tile_dpbusd(d, a, b) emu_dpbusd(d, a, b)
 #define _tile_loadd(t, base, stride) emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) emu_stored(t, base, stride)
 #define _tile_zero(t) memset(emu_tile[t], 0, sizeof emu_tile[t])
@@ -239,61 +251,99 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
  * C[r][t] (+)= sum * ws[r][g] * ts[t][g], that scaling issued after the next group's first tile
  * products, so that it runs while they do. */
 #if defined(KTK_AMX_EMULATE)
-static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0,
-                            const float *t1, float *C, int64_t ldc, int first) {
+static inline void i8_scale(const int32_t *ci, const float *ws, const float *wz, int64_t NG, int64_t g, const float *t0,
+                            const float *t1, const float *z0, const float *z1, float *C, int64_t ldc, int first) {
     for (int j = 0; j < (t1 ? 2 : 1); j++) {
-        const float *ts = j ? t1 : t0;
+        const float *ts = j ? t1 : t0, *tz = j ? z1 : z0;
         for (int row = 0; row < 32; row++) {
-            const float s = ws[row * NG + g];
+            const float s = ws[row * NG + g], z = wz ? wz[row * NG + g] : 0.f;
             const int32_t *c = ci + (2 * j + row / 16) * 256 + (row % 16) * 16;
             float *o = C + row * ldc + j * 16;
-            for (int t = 0; t < 16; t++) o[t] = (first ? 0.f : o[t]) + (float)c[t] * (s * ts[t]);
+            for (int t = 0; t < 16; t++) {
+                float v = (first ? 0.f : o[t]) + (float)c[t] * (s * ts[t]);
+                o[t] = wz ? v + z * tz[t] : v;
+            }
         }
     }
 }
 #else
-KTK_AMX_TARGET static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0,
-                                           const float *t1, float *C, int64_t ldc, int first) {
+KTK_AMX_TARGET static inline void i8_scale(const int32_t *ci, const float *ws, const float *wz, int64_t NG, int64_t g,
+                                           const float *t0, const float *t1, const float *z0, const float *z1, float *C,
+                                           int64_t ldc, int first) {
     for (int j = 0; j < (t1 ? 2 : 1); j++) {
-        const __m512 ts = _mm512_loadu_ps(j ? t1 : t0);
+        const __m512 ts = _mm512_loadu_ps(j ? t1 : t0), tz = wz ? _mm512_loadu_ps(j ? z1 : z0) : ts;
         for (int row = 0; row < 32; row++) {
             const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(ws[row * NG + g]), ts);
             const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(ci + (2 * j + row / 16) * 256 + (row % 16) * 16)));
             float *o = C + row * ldc + j * 16;
-            _mm512_storeu_ps(o, first ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(o)));
+            __m512 r = first ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(o));
+            if (wz) r = _mm512_fmadd_ps(_mm512_set1_ps(wz[row * NG + g]), tz, r);
+            _mm512_storeu_ps(o, r);
         }
     }
 }
 #endif
 
+/* one k-step (1 KiB) of an I4 block's nibbles widened to its two 16-row A tiles (2 KiB at dst): byte i*64 + j's
+ * low nibble to row i's byte j, its high nibble to row 16 + i's (the 32-bit shift brings the next byte's low
+ * nibble into the high half, which the mask drops) */
+#if defined(KTK_AMX_EMULATE)
+static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
+    for (int i = 0; i < 1024; i++) { dst[i] = src[i] & 15; dst[1024 + i] = src[i] >> 4; }
+}
+#else
+KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
+    const __m512i m = _mm512_set1_epi8(15);
+    for (int i = 0; i < 16; i++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(src + 64 * i));
+        _mm512_storeu_si512((void *)(dst + 64 * i), _mm512_and_si512(v, m));
+        _mm512_storeu_si512((void *)(dst + 1024 + 64 * i), _mm512_and_si512(_mm512_srli_epi32(v, 4), m));
+    }
+}
+#endif
+
+/* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass, products
+ * of unsigned weights and signed tokens, and the zeros' term in each group's scaling) */
 KTK_AMX_TARGET
-void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
-                     int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap) {
+static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G,
+                           const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc,
+                           int32_t *ci, uint8_t *a8, int pf, int overlap) {
     if (!t_configured) amx_config();
     const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
+    const uint8_t *At = four ? a8 : A;   /* the bytes the tiles load */
     for (int64_t tt = 0; tt < ntt; tt += 2) {
         const int two = tt + 1 < ntt;
         const int8_t *b0 = pk + tt * KS * 1024, *b1 = b0 + KS * 1024;
         const float *ts0 = ts + tt * NG * 16, *ts1 = two ? ts0 + NG * 16 : NULL;
+        const float *tz0 = four ? tz + tt * NG * 16 : NULL, *tz1 = four && two ? tz0 + NG * 16 : NULL;
+#define SCALE(gg, first) i8_scale(ci, ws, four ? wz : NULL, NG, gg, ts0 + (gg) * 16, two ? ts1 + (gg) * 16 : NULL, \
+                                  four ? tz0 + (gg) * 16 : NULL, tz1 ? tz1 + (gg) * 16 : NULL, C + tt * 16, ldc, first)
         for (int64_t g = 0; g < NG; g++) {
             AMX_MEMORY_BARRIER();
             _tile_zero(0); _tile_zero(1);
             if (two) { _tile_zero(2); _tile_zero(3); }
             for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                if (pf && tt == 0 && ks + pf < KS) prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64);
-                _tile_loadd(4, A + ks * 2048, 64);
-                _tile_loadd(5, A + ks * 2048 + 1024, 64);
+                if (four && tt == 0) {
+                    if (pf && ks + pf < KS)
+                        for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(A + (ks + pf) * 1024 + 64 * i), _MM_HINT_T0);
+                    i4_widen(A + ks * 1024, a8 + ks * 2048);
+                    AMX_MEMORY_BARRIER();
+                } else if (!four && pf && tt == 0 && ks + pf < KS) {
+                    prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64);
+                }
+                _tile_loadd(4, At + ks * 2048, 64);
+                _tile_loadd(5, At + ks * 2048 + 1024, 64);
                 _tile_loadd(6, b0 + ks * 1024, 64);
-                _tile_dpbssd(0, 4, 6);
-                _tile_dpbssd(1, 5, 6);
+                if (four) { _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 5, 6); }
+                else { _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 5, 6); }
                 if (two) {
                     _tile_loadd(7, b1 + ks * 1024, 64);
-                    _tile_dpbssd(2, 4, 7);
-                    _tile_dpbssd(3, 5, 7);
+                    if (four) { _tile_dpbusd(2, 4, 7); _tile_dpbusd(3, 5, 7); }
+                    else { _tile_dpbssd(2, 4, 7); _tile_dpbssd(3, 5, 7); }
                 }
                 if (overlap && ks == g * SG && g > 0) {   /* the previous group's sums into C while these products run */
                     AMX_MEMORY_BARRIER();
-                    i8_scale(ci, ws, NG, g - 1, ts0 + (g - 1) * 16, two ? ts1 + (g - 1) * 16 : NULL, C + tt * 16, ldc, g == 1);
+                    SCALE(g - 1, g == 1);
                     AMX_MEMORY_BARRIER();
                 }
             }
@@ -305,11 +355,24 @@ void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, con
             _tile_stored(0, ci, 64);
             _tile_stored(1, ci + 256, 64);
             AMX_MEMORY_BARRIER();
-            if (!overlap) i8_scale(ci, ws, NG, g, ts0 + g * 16, two ? ts1 + g * 16 : NULL, C + tt * 16, ldc, g == 0);
+            if (!overlap) SCALE(g, g == 0);
         }
-        if (overlap)
-            i8_scale(ci, ws, NG, NG - 1, ts0 + (NG - 1) * 16, two ? ts1 + (NG - 1) * 16 : NULL, C + tt * 16, ldc, NG == 1);
+        if (overlap) SCALE(NG - 1, NG == 1);
+#undef SCALE
     }
+}
+
+KTK_AMX_TARGET
+void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
+                     int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap) {
+    gemm_ix(0, (const uint8_t *)A, ws, NULL, K, G, pk, ts, NULL, nt, C, ldc, ci, NULL, pf, overlap);
+}
+
+KTK_AMX_TARGET
+void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
+                     const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
+                     int pf, int overlap) {
+    gemm_ix(1, A, ws, wz, K, G, pk, ts, tz, nt, C, ldc, ci, a8, pf, overlap);
 }
 
 #undef AMX_MEMORY_BARRIER
@@ -518,6 +581,12 @@ void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, con
 }
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
+}
+void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
+                     const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
+                     int pf, int overlap) {
+    (void)A; (void)ws; (void)wz; (void)K; (void)G; (void)pk; (void)ts; (void)tz; (void)nt; (void)C; (void)ldc; (void)ci;
+    (void)a8; (void)pf; (void)overlap;
 }
 void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,
                        const uint8_t *next, int64_t next_bytes) {

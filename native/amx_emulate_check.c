@@ -71,11 +71,27 @@ static double rel_err(const float *out, const float *ref, int64_t n) {   /* |out
     return sqrt(num / (den > 0 ? den : 1e-30));
 }
 
-/* The I8 copies (i8.c) and the AMX-INT8 tile GEMM: every value of ktk_i8_repack's copy within half
- * a step of the f32 dequantization (and ktk_i8_dequant reading back the layout), every token within
- * half a step of its packing, and ktk_amx_gemm_i8 against a double-precision dot of the copy's and
- * the packed tokens' values, the padding columns zero and the columns past them untouched. */
-static int check_i8(void) {
+/* The I8 (bits 8) or I4 (bits 4) copies (i8.c) and the AMX-INT8 tile GEMM: every value of the
+ * repack's copy within half a step of the f32 dequantization (and the dequant reading back the
+ * layout), every token within half a step of its packing (I4: its zero term the scale times the
+ * group's sum), and ktk_amx_gemm_i8 / ktk_amx_gemm_i4 against a double-precision dot of the copy's
+ * and the packed tokens' values, the padding columns zero and the columns past them untouched. */
+#define XB(r, n, G) (bits == 4 ? ktk_i4_expert_bytes(r, n, G) : ktk_i8_expert_bytes(r, n, G))
+#define XR(...) (bits == 4 ? ktk_i4_repack(__VA_ARGS__) : ktk_i8_repack(__VA_ARGS__))
+#define XD(...) (bits == 4 ? ktk_i4_dequant(__VA_ARGS__) : ktk_i8_dequant(__VA_ARGS__))
+static void gemm_ix(int bits, const uint8_t *cp, int64_t R, int64_t blk, int64_t n, int64_t G, const int8_t *pk,
+                    const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
+                    int pf, int overlap) {   /* block blk of the expert copy at cp */
+    const int64_t NG = n / G;
+    const float *ws = (const float *)(cp + R * n * bits / 8);
+    if (bits == 4)
+        ktk_amx_gemm_i4(cp + blk * 32 * n / 2, ws + blk * 32 * NG, ws + R * NG + blk * 32 * NG, n, G, pk, ts, tz, nt, C,
+                        ldc, ci, a8, pf, overlap);
+    else
+        ktk_amx_gemm_i8((const int8_t *)cp + blk * 32 * n, ws + blk * 32 * NG, n, G, pk, ts, nt, C, ldc, ci, pf, overlap);
+}
+
+static int check_ix(int bits) {
     static const int types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16, KTK_Q6_K};
     static const int64_t ns[][2] = {{256, 0}, {1408, 0}, {1408, 128}, {1408, 64}, {2048, 0}, {2048, 512}, {192, 0}, {192, 64}};   /* n, G */
     static const int64_t nts[] = {1, 17, 33, 48};
@@ -86,28 +102,30 @@ static int check_i8(void) {
     for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++)
         for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
             const int t = types[ti];
-            const int64_t n = ns[ni][0], rb = ktk_row_bytes(t, n), es = ktk_i8_expert_bytes(R, n, ns[ni][1]);
+            const int64_t n = ns[ni][0], rb = ktk_row_bytes(t, n), es = XB(R, n, ns[ni][1]);
             const int64_t G = ns[ni][1] ? ns[ni][1] : ktk_i8_group(n);
             if (rb < 0) continue;
             uint8_t *rows = malloc((size_t)(E * R * rb)), *cp = aligned_alloc(64, (size_t)(E * es));
             float *w = malloc((size_t)(R * n) * 4), *wq = malloc((size_t)(R * n) * 4), *x = malloc((size_t)(48 * n) * 4);
             float *xq = malloc((size_t)(48 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 64 * 4);
             int8_t *pk = aligned_alloc(64, (size_t)(48 * n)); float *ts = malloc((size_t)(48 * n / G) * 4);
+            float *tz = malloc((size_t)(48 * n / G) * 4);
             int32_t *ci = aligned_alloc(64, 4096);
+            uint8_t *a8 = aligned_alloc(64, (size_t)(32 * n));
             const float *xp[48];
             fill(t, rows, E * R, n);
-            int rc = ktk_i8_repack(pool, t, rows, rb, R * rb, E, R, n, ns[ni][1], cp);
+            int rc = XR(pool, t, rows, rb, R * rb, E, R, n, ns[ni][1], cp);
             int bad = rc != KTK_OK;
-            if (rc) printf("FAIL i8_repack type %d n %lld: rc %d\n", t, (long long)n, rc);
+            if (rc) printf("FAIL i%d_repack type %d n %lld: rc %d\n", bits, t, (long long)n, rc);
             for (int64_t e = 0; !rc && e < E; e++) {
-                ktk_i8_dequant(cp + e * es, R, n, G, wq);
-                const float *ws = (const float *)(cp + e * es + R * n);
+                XD(cp + e * es, R, n, G, wq);
+                const float *ws = (const float *)(cp + e * es + R * n * bits / 8);
                 for (int64_t r = 0; r < R; r++) {
                     K->dequant(t, rows + (e * R + r) * rb, w + r * n, n);
                     for (int64_t k = 0; k < n; k++) {
                         const double step = ws[r * (n / G) + k / G];
                         if (!(fabs((double)wq[r * n + k] - w[r * n + k]) <= 0.5 * step * (1 + 1e-5) + 1e-30) && bad++ < 3)
-                            printf("FAIL i8 type %d n %lld expert %lld row %lld value %lld: %g, want %g (step %g)\n", t,
+                            printf("FAIL i%d type %d n %lld expert %lld row %lld value %lld: %g, want %g (step %g)\n", bits, t,
                                    (long long)n, (long long)e, (long long)r, (long long)k, wq[r * n + k], w[r * n + k], step);
                     }
                 }
@@ -117,7 +135,7 @@ static int check_i8(void) {
             for (int j = 0; j < 48; j++) xp[j] = x + j * n;
             for (size_t ci_ = 0; !rc && ci_ < sizeof nts / sizeof *nts; ci_++) {
                 const int64_t nt = nts[ci_], pad = (nt + 15) / 16 * 16, ldc = pad + 16;
-                ktk_amx_pack_x_i8(xp, nt, n, G, pk, ts);
+                ktk_amx_pack_x_i8(xp, nt, n, G, pk, ts, bits == 4 ? tz : NULL);
                 int badx = 0;
                 for (int64_t j = 0; j < pad; j++)   /* the packed tokens read back */
                     for (int64_t k = 0; k < n; k++) {
@@ -129,14 +147,21 @@ static int check_i8(void) {
                         if (!(fabsf(v - want) <= 0.5f * sc * (1 + 1e-5f)) && badx++ < 3)
                             printf("FAIL pack_x_i8 n %lld token %lld value %lld: %g, want %g\n", (long long)n, (long long)j,
                                    (long long)k, v, want);
+                        if (bits == 4 && k % G == 0) {   /* the zero term: the scale times the group's int8 sum */
+                            int32_t sum = 0;
+                            for (int64_t i = k; i < k + G; i++)
+                                sum += pk[(tt * (n / 64) + i / 64) * 1024 + (i % 64) / 4 * 64 + tj * 4 + i % 4];
+                            const float z = tz[(tt * (n / G) + k / G) * 16 + tj];
+                            if (z != sc * (float)sum && badx++ < 3)
+                                printf("FAIL pack_x_i8 n %lld token %lld group %lld: zero term %g, want %g\n", (long long)n,
+                                       (long long)j, (long long)(k / G), z, sc * (float)sum);
+                        }
                     }
                 fails += badx != 0;
                 for (int64_t blk = 0; blk < R / 32; blk++) {   /* expert 1's blocks: the scales' offsets */
-                    const uint8_t *A = cp + es + blk * 32 * n;
-                    const float *ws = (const float *)(cp + es + R * n) + blk * 32 * (n / G);
-                    ktk_i8_dequant(cp + es, R, n, G, wq);
+                    XD(cp + es, R, n, G, wq);
                     for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
-                    ktk_amx_gemm_i8((const int8_t *)A, ws, n, G, pk, ts, nt, C, ldc, ci, (int)(blk * 3), (int)(nt & 1));   /* prefetch 0 and 3; both orders */
+                    gemm_ix(bits, cp + es, R, blk, n, G, pk, ts, tz, nt, C, ldc, ci, a8, (int)(blk * 3), (int)(nt & 1));   /* prefetch 0 and 3; both orders */
                     int badg = 0;
                     double worst = 0;
                     for (int r = 0; r < 32; r++)
@@ -152,17 +177,18 @@ static int check_i8(void) {
                             if (!(e <= 1e-5)) badg++;
                             if (e > worst) worst = e;
                         }
-                    if (badg) printf("FAIL gemm_i8 type %d n %lld tokens %lld block %lld: %d outputs off (worst %.3g)\n", t,
+                    if (badg) printf("FAIL gemm_i%d type %d n %lld tokens %lld block %lld: %d outputs off (worst %.3g)\n", bits, t,
                                      (long long)n, (long long)nt, (long long)blk, badg, worst);
                     fails += badg != 0;
                 }
             }
-            free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(ci);
+            free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(tz); free(ci); free(a8);
         }
     {   /* a NaN among a token's values (or a weight row's): that token's (row's) outputs are NaN, the others not */
-        const int64_t n = 256, rb = ktk_row_bytes(KTK_BF16, n), es = ktk_i8_expert_bytes(32, n, 0);
-        uint8_t *rows = malloc((size_t)(32 * rb)), *cp = aligned_alloc(64, (size_t)es);
+        const int64_t n = 256, rb = ktk_row_bytes(KTK_BF16, n), es = XB(32, n, 0);
+        uint8_t *rows = malloc((size_t)(32 * rb)), *cp = aligned_alloc(64, (size_t)es), *a8 = aligned_alloc(64, 32 * 256);
         float *x = malloc((size_t)(17 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 32 * 4), *ts = malloc(2 * 16 * 4);
+        float *tz = malloc(2 * 16 * 4);
         int8_t *pk = aligned_alloc(64, (size_t)(32 * n));
         int32_t *ci = aligned_alloc(64, 4096);
         const float *xp[17];
@@ -172,27 +198,28 @@ static int check_i8(void) {
         for (int64_t i = 0; i < 17 * n; i++) x[i] = frand();
         x[3 * n + 5] = NAN;                          /* token 3, value 5 */
         for (int j = 0; j < 17; j++) xp[j] = x + j * n;
-        int bad = ktk_i8_repack(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, 0, cp) != KTK_OK;
-        ktk_amx_pack_x_i8(xp, 17, n, 256, pk, ts);
-        ktk_amx_gemm_i8((const int8_t *)cp, (const float *)(cp + 32 * n), n, 256, pk, ts, 17, C, 32, ci, 0, 1);
+        int bad = XR(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, 0, cp) != KTK_OK;
+        ktk_amx_pack_x_i8(xp, 17, n, 256, pk, ts, tz);
+        gemm_ix(bits, cp, 32, 0, n, 256, pk, ts, tz, 17, C, 32, ci, a8, 0, 1);
         for (int r = 0; r < 32 && !bad; r++)
             for (int j = 0; j < 17 && !bad; j++) bad = (r == 7 || j == 3) != (isnan(C[r * 32 + j]) != 0);
-        if (bad) { printf("FAIL i8: a NaN token or weight does not give NaN outputs (only)\n"); fails++; }
-        free(rows); free(cp); free(x); free(C); free(ts); free(pk); free(ci);
+        if (bad) { printf("FAIL i%d: a NaN token or weight does not give NaN outputs (only)\n", bits); fails++; }
+        free(rows); free(cp); free(x); free(C); free(ts); free(tz); free(pk); free(ci); free(a8);
     }
     /* bad input: shapes the layout does not take */
-    if (ktk_i8_expert_bytes(48, 256, 0) != -1 || ktk_i8_expert_bytes(64, 96, 0) != -1 || ktk_i8_group(1408) != 704 ||
-        ktk_i8_expert_bytes(64, 1408, 256) != -1 || ktk_i8_expert_bytes(64, 2048, 2048) != -1 ||   /* G must divide n, <= 1024 */
-        ktk_i8_expert_bytes(64, 2048, 96) != -1 || ktk_i8_expert_bytes(64, 2048, -64) != -1 ||     /* G % 64, G > 0 */
-        ktk_i8_expert_bytes(64, 2048, 1024) != 64 * 2048 + 64 * 2 * 4 ||
+    if (XB(48, 256, 0) != -1 || XB(64, 96, 0) != -1 || ktk_i8_group(1408) != 704 ||
+        XB(64, 1408, 256) != -1 || XB(64, 2048, 2048) != -1 ||   /* G must divide n, <= 1024 */
+        XB(64, 2048, 96) != -1 || XB(64, 2048, -64) != -1 ||     /* G % 64, G > 0 */
+        XB(64, 2048, 1024) != (bits == 4 ? 64 * 2048 / 2 + 64 * 2 * 8 : 64 * 2048 + 64 * 2 * 4) ||
         ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 192 || ktk_i8_group(2944) != 128 || ktk_i8_group(32) != -1) {
-        printf("FAIL i8 shape rules\n");
+        printf("FAIL i%d shape rules\n", bits);
         fails++;
     }
     ktk_pool_free(pool);
     return fails;
 }
 
+#define I4_LAYER_TOL 0.25   /* measured 0.08-0.17 here (random valid blocks: Q4_K 0.08, Q5_0 and Q8_0 0.16-0.17, BF16 0.12) */
 static int check_moe(void) {
     static const int moe_types[] = {KTK_Q4_K, KTK_Q5_0, KTK_Q8_0, KTK_BF16};
     const int64_t E = 4, H = 256, I = 1408, k = 2;
@@ -219,6 +246,16 @@ static int check_moe(void) {
             ktk_i8_repack(pool, dt, dn, rbi, H * rbi, E, H, I, dg, di)) { fails++; printf("FAIL i8_repack for the layer\n"); }
         ktk_moe *m8 = ktk_moe_new(&d8, &err);
         if (!m8) { fails++; printf("FAIL moe_new (I8) %d\n", err); }
+        /* and with I4 copies (asymmetric 4 bits per row and group; the same tiles) */
+        const int64_t esg4 = ktk_i4_expert_bytes(I, H, 0), esd4 = ktk_i4_expert_bytes(H, I, dg);
+        uint8_t *gi4 = aligned_alloc(64, (size_t)(E * esg4)), *ui4 = aligned_alloc(64, (size_t)(E * esg4)),
+                *di4 = aligned_alloc(64, (size_t)(E * esd4));
+        ktk_moe_desc d4 = d8;
+        d4.gate_i8 = gi4; d4.up_i8 = ui4; d4.down_i8 = di4; d4.i8_bits = 4;
+        if (ktk_i4_repack(pool, gt, g, rbh, I * rbh, E, I, H, 0, gi4) || ktk_i4_repack(pool, gt, u, rbh, I * rbh, E, I, H, 0, ui4) ||
+            ktk_i4_repack(pool, dt, dn, rbi, H * rbi, E, H, I, dg, di4)) { fails++; printf("FAIL i4_repack for the layer\n"); }
+        ktk_moe *m4 = ktk_moe_new(&d4, &err);
+        if (!m4) { fails++; printf("FAIL moe_new (I4) %d\n", err); }
         for (int64_t T = 48; m && T <= 100; T += 52) {
             float *x = malloc((size_t)(T * H) * 4), *w = malloc((size_t)(T * k) * 4);
             float *ref = malloc((size_t)(T * H) * 4), *out = malloc((size_t)(T * H) * 4);
@@ -243,10 +280,19 @@ static int check_moe(void) {
                     printf("FAIL moe (I8) types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
                 }
             }
+            if (m4) {   /* 4-bit weights: each value within (max - min) / 30 of its group's, on top of the 8-bit tokens */
+                rc = ktk_moe_forward(m4, pool, KTK_ISA_AVX2, T, k, x, ids, w, out);
+                e = rel_err(out, ref, T * H);
+                if (getenv("KTK_CHECK_VERBOSE")) printf("moe (I4) types %d/%d, %lld tokens: relative error %.4f\n", gt, dt, (long long)T, e);
+                if (rc || !(e < I4_LAYER_TOL)) {
+                    fails++;
+                    printf("FAIL moe (I4) types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
+                }
+            }
             free(x); free(w); free(ref); free(out); free(ids);
         }
-        ktk_moe_free(m); ktk_moe_free(m8);
-        free(g); free(u); free(dn); free(gi); free(ui); free(di);
+        ktk_moe_free(m); ktk_moe_free(m8); ktk_moe_free(m4);
+        free(g); free(u); free(dn); free(gi); free(ui); free(di); free(gi4); free(ui4); free(di4);
     }
     ktk_pool_free(pool);
     return fails;
@@ -314,8 +360,8 @@ int main(void) {
     fails += check_silu(ktk_silu_mul_avx2, "ktk_silu_mul_avx2");
     cases += 16;
     fails += check_moe();
-    cases += 1;
-    fails += check_i8();
+    cases += 2;
+    fails += check_ix(8) + check_ix(4);
     printf("%s (%d cases, %d failures)\n", fails ? "FAILED" : "OK", cases, fails);
     return fails != 0;
 }

@@ -14,7 +14,19 @@
  * Tokens for the tile GEMM (ktk_amx_pack_x_i8): per token and group of G values, the same
  * symmetric 8 bits, in the VNNI quad layout of a B tile: token tile tt, k-step ks at
  * pk[(tt * n / 64 + ks) * 1024], byte q * 64 + t * 4 + i = token tt * 16 + t, value ks * 64 + 4q + i;
- * scales at ts[(tt * NG + g) * 16 + t] (NG = n / G); tokens past nt are zeros with scale 0. */
+ * scales at ts[(tt * NG + g) * 16 + t] (NG = n / G); tokens past nt are zeros with scale 0. With tz
+ * (the I4 path), tz[(tt * NG + g) * 16 + t] = that scale times the sum of the token's group of int8
+ * values: the zero points' term of an I4 dot.
+ *
+ * I4 copies (ktk_i4_repack, opt-in, `int8_bits: 4`): the same groups, 4 bits a weight, asymmetric:
+ * value = q * scale + zero, q in [0, 15], scale = (max - min) / 15, zero = min over the group of the
+ * f32 dequantization's values (a group of equal values: scale 0, zero that value). Per expert:
+ *   - rows * n / 2 bytes of nibbles: block of 32 rows b, k-step ks at (b * n / 64 + ks) * 1024, byte
+ *     i * 64 + j holding row b*32 + i's value ks*64 + j in its low nibble and row b*32 + 16 + i's in its
+ *     high one (so one AVX-512 mask gives a 16-row A tile's row, one shift and mask the other's);
+ *   - then f32 scales [rows][n / G], then f32 zeros [rows][n / G].
+ * Half the I8 copy's bytes, for one more rounding: up to scale / 2 = (max - min) / 30 per value, about
+ * 17x the I8 copy's step on a group spanning [-a, a] (a / 15 against a / 127 for half a step). */
 #include "ktk_int.h"
 #include <math.h>
 #include <stdlib.h>
@@ -46,6 +58,12 @@ int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n, int64_t G) {
     return (rows * n + rows * (n / G) * 4 + 63) / 64 * 64;
 }
 
+int64_t ktk_i4_expert_bytes(int64_t rows, int64_t n, int64_t G) {
+    G = group_for(n, G);
+    if (G < 0 || rows < 32 || rows % 32) return -1;
+    return (rows * n / 2 + rows * (n / G) * 8 + 63) / 64 * 64;
+}
+
 /* one group of G floats to int8 (q = round(w * 127 / max|w|)), returning its scale max|w| / 127;
  * a group of zeros: scale 0; a group with a NaN or an infinity: zeros with scale NaN, so that every
  * product with it is NaN, as in the f32 and bf16 paths */
@@ -65,19 +83,63 @@ static inline float quant_group(const float *w, int64_t G, int8_t *q) {
     return amax / 127.f;
 }
 
+/* one group of G floats to 4 bits, asymmetric (q = round((w - min) * 15 / (max - min)), the step
+ * computed in double so that a span past FLT_MAX still gives a finite one), returning its scale and
+ * its zero (the minimum) in *zero; a group of equal values: scale 0, zero that value; a group with a
+ * NaN or an infinity: zeros with scale and zero NaN, as quant_group */
+static inline float quant_group4(const float *w, int64_t G, uint8_t *q, float *zero) {
+    float lo = INFINITY, hi = -INFINITY;
+    int bad = 0;
+    for (int64_t i = 0; i < G; i++) { bad |= !isfinite(w[i]); lo = w[i] < lo ? w[i] : lo; hi = w[i] > hi ? w[i] : hi; }
+    if (bad || !(hi > lo)) {
+        for (int64_t i = 0; i < G; i++) q[i] = 0;
+        *zero = bad ? NAN : lo;
+        return bad ? NAN : 0.f;
+    }
+    const double step = ((double)hi - lo) / 15.0;
+    for (int64_t i = 0; i < G; i++) {
+        double v = nearbyint(((double)w[i] - lo) / step);
+        q[i] = (uint8_t)(v > 15.0 ? 15.0 : v < 0.0 ? 0.0 : v);
+    }
+    *zero = lo;
+    return (float)step;
+}
+
 typedef struct {
     const ktk_kernels *K;
-    int type;
+    int type, bits;
     const uint8_t *src;
     int64_t src_rb, src_es, rows, n, G, es;
     uint8_t *dst;
     int fail;
 } i8_ctx;
 
+/* an I4 block of 32 rows: all 32 dequantized and requantized, then paired into nibbles */
+static void repack_block4(i8_ctx *c, int64_t e, int64_t b) {
+    const int64_t n = c->n, NG = n / c->G;
+    float *w = malloc((size_t)n * sizeof(float));
+    uint8_t *q = malloc((size_t)(32 * n));
+    if (!w || !q) { free(w); free(q); c->fail = 1; return; }
+    uint8_t *dst = c->dst + e * c->es + b * 32 * n / 2;
+    float *ws = (float *)(c->dst + e * c->es + c->rows * n / 2), *wz = ws + c->rows * NG;
+    for (int r = 0; r < 32; r++) {
+        const int64_t row = b * 32 + r;
+        c->K->dequant(c->type, c->src + e * c->src_es + row * c->src_rb, w, n);
+        for (int64_t g = 0; g < NG; g++)
+            ws[row * NG + g] = quant_group4(w + g * c->G, c->G, q + r * n + g * c->G, &wz[row * NG + g]);
+    }
+    for (int64_t ks = 0; ks < n / 64; ks++)
+        for (int i = 0; i < 16; i++)
+            for (int j = 0; j < 64; j++)
+                dst[ks * 1024 + i * 64 + j] = (uint8_t)(q[i * n + ks * 64 + j] | q[(16 + i) * n + ks * 64 + j] << 4);
+    free(w); free(q);
+}
+
 static void repack_item(void *ctx, int phase, int64_t item, int tid) {
     (void)phase; (void)tid;
     i8_ctx *c = ctx;
     const int64_t nb = c->rows / 32, e = item / nb, b = item % nb, NG = c->n / c->G;
+    if (c->bits == 4) { repack_block4(c, e, b); return; }
     float *w = malloc((size_t)c->n * sizeof(float));
     if (!w) { c->fail = 1; return; }
     int8_t *q = (int8_t *)(c->dst + e * c->es) + b * 32 * c->n, tmp[KTK_I8_GMAX];
@@ -93,14 +155,14 @@ static void repack_item(void *ctx, int phase, int64_t item, int tid) {
     free(w);
 }
 
-int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+static int repack(ktk_pool *p, int bits, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
                   int64_t rows, int64_t n, int64_t G, uint8_t *dst) {
-    const int64_t es = ktk_i8_expert_bytes(rows, n, G);
+    const int64_t es = bits == 4 ? ktk_i4_expert_bytes(rows, n, G) : ktk_i8_expert_bytes(rows, n, G);
     const ktk_kernels *K = ktk_kernels_for(ktk_best_isa());
     if (!src || !dst || es < 0 || n_experts < 1 || type < 0 || type >= KTK_NTYPES || !K || !K->dequant ||
         ktk_row_bytes(type, n) <= 0 || src_rb != ktk_row_bytes(type, n) || src_es < rows * src_rb)
         return KTK_EINVAL;
-    i8_ctx c = {K, type, src, src_rb, src_es, rows, n, group_for(n, G), es, dst, 0};
+    i8_ctx c = {K, type, bits, src, src_rb, src_es, rows, n, group_for(n, G), es, dst, 0};
     int64_t items = n_experts * (rows / 32);
     if (p && ktk_pool_run_async(p, repack_item, &c, 1, &items) == KTK_OK) {
         int rc = ktk_pool_wait(p);
@@ -109,6 +171,16 @@ int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int
         for (int64_t i = 0; i < items; i++) repack_item(&c, 0, i, 0);
     }
     return c.fail ? KTK_ENOMEM : KTK_OK;
+}
+
+int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                  int64_t rows, int64_t n, int64_t G, uint8_t *dst) {
+    return repack(p, 8, type, src, src_rb, src_es, n_experts, rows, n, G, dst);
+}
+
+int ktk_i4_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                  int64_t rows, int64_t n, int64_t G, uint8_t *dst) {
+    return repack(p, 4, type, src, src_rb, src_es, n_experts, rows, n, G, dst);
 }
 
 int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *dst) {
@@ -122,6 +194,27 @@ int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *
     return KTK_OK;
 }
 
+/* the sum of a group's int8 values */
+static inline int32_t sum_q(const int8_t *q, int64_t G) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < G; i++) s += q[i];
+    return s;
+}
+
+int ktk_i4_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *dst) {
+    if (!w || !dst || ktk_i4_expert_bytes(rows, n, G) < 0) return KTK_EINVAL;
+    G = group_for(n, G);
+    const int64_t NG = n / G;
+    const float *ws = (const float *)(w + rows * n / 2), *wz = ws + rows * NG;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < n; k++) {
+            const uint8_t byte = w[((r / 32) * (n / 64) + k / 64) * 1024 + (r % 16) * 64 + k % 64];
+            const int q = r % 32 < 16 ? byte & 15 : byte >> 4;
+            dst[r * n + k] = (float)q * ws[r * NG + k / G] + wz[r * NG + k / G];
+        }
+    return KTK_OK;
+}
+
 /* the 4-byte quads of 16 values k .. k + 15 (k % 16 == 0) of token t to their B-tile rows */
 static inline void put_quads(int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k, const int8_t *q16) {
     for (int j = 0; j < 16; j += 4) {
@@ -131,10 +224,12 @@ static inline void put_quads(int8_t *pk, int64_t KS, int64_t tt, int t, int64_t 
 }
 
 /* quant_group, the group's quads written straight to the B tiles */
-static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0,
+                                 int32_t *qsum) {
     int8_t tmp[KTK_I8_GMAX];
     const float s = quant_group(w, G, tmp);
     for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, k0 + i, tmp + i);
+    *qsum = sum_q(tmp, G);
     return s;
 }
 
@@ -143,7 +238,8 @@ static float quant_group_tiles_c(const float *w, int64_t G, int8_t *pk, int64_t 
 /* quant_group with AVX-512 (the same values: cvtps2dq rounds to nearest even, as nearbyintf does in
  * the default rounding mode), the group's quads written straight to the B tiles */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0) {
+static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_t KS, int64_t tt, int t, int64_t k0,
+                                   int32_t *qsum) {
     __m512 mx = _mm512_setzero_ps();
     __mmask16 nan = 0;   /* (max drops NaN operands) */
     for (int64_t i = 0; i < G; i += 16) {
@@ -152,22 +248,26 @@ static float quant_group_tiles_512(const float *w, int64_t G, int8_t *pk, int64_
         mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
     }
     const float amax = _mm512_reduce_max_ps(mx);
-    if (nan || !(amax > 0.f) || !isfinite(amax)) return quant_group_tiles_c(w, G, pk, KS, tt, t, k0);   /* scale 0 or NaN */
+    if (nan || !(amax > 0.f) || !isfinite(amax)) return quant_group_tiles_c(w, G, pk, KS, tt, t, k0, qsum);   /* scale 0 or NaN */
     const __m512 inv = _mm512_set1_ps(127.f / amax);
+    __m512i acc = _mm512_setzero_si512();   /* (|w| * 127 / amax <= 127: the saturation changes nothing) */
     for (int64_t i = 0; i < G; i += 16) {
         int8_t q16[16];
-        _mm_storeu_si128((__m128i *)q16, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + i), inv))));
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + i), inv));
+        acc = _mm512_add_epi32(acc, qi);
+        _mm_storeu_si128((__m128i *)q16, _mm512_cvtsepi32_epi8(qi));
         put_quads(pk, KS, tt, t, k0 + i, q16);
     }
+    *qsum = _mm512_reduce_add_epi32(acc);
     return amax / 127.f;
 }
 #define HAVE_TILES_512 1
 #endif
 
-void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts) {
+void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts, float *tz) {
     const int64_t KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
     static const int8_t zeros[16];
-    float (*quant_tiles)(const float *, int64_t, int8_t *, int64_t, int64_t, int, int64_t) = quant_group_tiles_c;
+    float (*quant_tiles)(const float *, int64_t, int8_t *, int64_t, int64_t, int, int64_t, int32_t *) = quant_group_tiles_c;
 #if defined(HAVE_TILES_512)   /* the AMX path always has AVX-512; direct callers (the C drivers) may not */
     if (ktk_cpu_features() >> KTK_ISA_AVX512 & 1) quant_tiles = quant_group_tiles_512;
 #endif
@@ -175,9 +275,14 @@ void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, 
         for (int t = 0; t < 16; t++) {
             const int64_t tok = tt * 16 + t;
             for (int64_t g = 0; g < NG; g++) {
-                if (tok < nt) ts[(tt * NG + g) * 16 + t] = quant_tiles(X[tok] + g * G, G, pk, KS, tt, t, g * G);
-                else {
-                    ts[(tt * NG + g) * 16 + t] = 0.f;
+                const int64_t at = (tt * NG + g) * 16 + t;
+                if (tok < nt) {
+                    int32_t qs = 0;
+                    ts[at] = quant_tiles(X[tok] + g * G, G, pk, KS, tt, t, g * G, &qs);
+                    if (tz) tz[at] = ts[at] * (float)qs;
+                } else {
+                    ts[at] = 0.f;
+                    if (tz) tz[at] = 0.f;
                     for (int64_t i = 0; i < G; i += 16) put_quads(pk, KS, tt, t, g * G + i, zeros);
                 }
             }

@@ -70,6 +70,7 @@ struct ktk_moe {
     int64_t i8_es_gu, i8_es_dn, npad;                  /* their bytes per expert; padded tokens of the packing */
     int64_t i8_g_gu, i8_g_dn;                          /* their group sizes (the desc's, 0 resolved) */
     int i8_pf, i8_overlap;                             /* their tile GEMM's prefetch distance in k-steps; overlap */
+    int i4;                                            /* the copies are I4 ones (desc i8_bits 4) */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
 
@@ -95,6 +96,11 @@ static uint16_t *grow_pk(void **mem, size_t *cap, size_t bytes, int *fail) {
     return *mem;
 }
 
+/* bytes per expert of an I8 copy (bits 0 or 8) or an I4 one (bits 4) */
+static int64_t ix_expert_bytes(int bits, int64_t rows, int64_t n, int64_t G) {
+    return bits == 4 ? ktk_i4_expert_bytes(rows, n, G) : ktk_i8_expert_bytes(rows, n, G);
+}
+
 ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
     int e = KTK_OK;
     if (!d || d->n_experts <= 0 || d->hidden <= 0 || d->inter <= 0 || d->hidden % 32 || d->inter % 32 ||
@@ -108,10 +114,12 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
                (d->gate_r16 && (!ktk_r16_supported(d->gate_type) || d->inter % 16 || ktk_r16_row_bytes(d->gate_type, d->hidden) < 0)) ||
                (d->down_r16 && (!ktk_r16_supported(d->down_type) || d->hidden % 16 || ktk_r16_row_bytes(d->down_type, d->inter) < 0))))
         e = KTK_EINVAL;
-    /* I8 copies: gate and up both or neither, shapes the layout takes */
+    /* I8 (or I4) copies: gate and up both or neither, shapes the layout takes */
+    if (!e && (d->i8_bits != 0 && d->i8_bits != 8 && d->i8_bits != 4))
+        e = KTK_EINVAL;
     if (!e && ((d->gate_i8 != NULL) != (d->up_i8 != NULL) ||
-               (d->gate_i8 && ktk_i8_expert_bytes(d->inter, d->hidden, d->gate_i8_group) < 0) ||
-               (d->down_i8 && ktk_i8_expert_bytes(d->hidden, d->inter, d->down_i8_group) < 0)))
+               (d->gate_i8 && ix_expert_bytes(d->i8_bits, d->inter, d->hidden, d->gate_i8_group) < 0) ||
+               (d->down_i8 && ix_expert_bytes(d->i8_bits, d->hidden, d->inter, d->down_i8_group) < 0)))
         e = KTK_EINVAL;
     if (e) { if (err) *err = e; return NULL; }
     if (d->gate_r16 || d->down_r16) ktk_r16_init();
@@ -122,8 +130,9 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (!m->d.gate_es) m->d.gate_es = d->inter * d->gate_rb;
         if (!m->d.up_es) m->d.up_es = d->inter * d->up_rb;
         if (!m->d.down_es) m->d.down_es = d->hidden * d->down_rb;
-        m->i8_es_gu = d->gate_i8 ? ktk_i8_expert_bytes(d->inter, d->hidden, d->gate_i8_group) : 0;
-        m->i8_es_dn = d->down_i8 ? ktk_i8_expert_bytes(d->hidden, d->inter, d->down_i8_group) : 0;
+        m->i4 = d->i8_bits == 4;
+        m->i8_es_gu = d->gate_i8 ? ix_expert_bytes(d->i8_bits, d->inter, d->hidden, d->gate_i8_group) : 0;
+        m->i8_es_dn = d->down_i8 ? ix_expert_bytes(d->i8_bits, d->hidden, d->inter, d->down_i8_group) : 0;
         m->i8_g_gu = d->gate_i8_group ? d->gate_i8_group : ktk_i8_group(d->hidden);
         m->i8_g_dn = d->down_i8_group ? d->down_i8_group : ktk_i8_group(d->inter);
         m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
@@ -233,19 +242,29 @@ static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows,
 }
 
 /* The AMX-INT8 path: the expert's tokens packed by ktk_amx_pack_x_i8 in the space of the bf16 ones
- * (npad * K bytes, then the scales: npad * K / G floats, never more than the bf16 packing's 2 bytes
- * a value), and a block of 32 rows from the expert's I8 copy at w. */
+ * (npad * K bytes, then the scales: npad * K / G floats, then for I4 copies their zero terms as many,
+ * never more than the bf16 packing's 2 bytes a value), and a block of 32 rows from the expert's I8
+ * (or I4) copy at w. */
 static inline int8_t *pk_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t e) {
     return (int8_t *)base + m->pk_off[e] * K;
 }
 static inline float *ts_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t G, int64_t e) {
     return (float *)((int8_t *)base + m->npad * K) + m->pk_off[e] * (K / G);
 }
+static inline float *tz_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t G, int64_t e) {
+    return m->i4 ? ts_i8(m, base, K, G, e) + m->npad * (K / G) : NULL;
+}
 static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t rows, int64_t K, int64_t G, int64_t r0,
-                       const int8_t *pk, const float *ts, int64_t nt, float *C) {
-    const int64_t ldc = (nt + 15) / 16 * 16;
-    ktk_amx_gemm_i8((const int8_t *)w + r0 * K, (const float *)(w + rows * K) + r0 * (K / G), K, G, pk, ts, nt, C, ldc,
-                    (int32_t *)s->wb, m->i8_pf, m->i8_overlap);
+                       const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C) {
+    const int64_t ldc = (nt + 15) / 16 * 16, NG = K / G;
+    if (m->i4) {   /* the widened nibbles go to the (here unused) f32 rows' scratch: 4 * RC * maxk bytes */
+        const float *ws = (const float *)(w + rows * K / 2);
+        ktk_amx_gemm_i4(w + r0 * K / 2, ws + r0 * NG, ws + rows * NG + r0 * NG, K, G, pk, ts, tz, nt, C, ldc,
+                        (int32_t *)s->wb, (uint8_t *)s->wf, m->i8_pf, m->i8_overlap);
+    } else {
+        ktk_amx_gemm_i8((const int8_t *)w + r0 * K, (const float *)(w + rows * K) + r0 * NG, K, G, pk, ts, nt, C, ldc,
+                        (int32_t *)s->wb, m->i8_pf, m->i8_overlap);
+    }
     s->ct = 1; s->cr = ldc;
 }
 
@@ -259,9 +278,9 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (!s.wf) return;
         if (m->i8_gu) {
             const int8_t *pk = pk_i8(m, m->xpk, H, e);
-            const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e);
-            grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c0);
-            grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c1);
+            const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e), *tz = tz_i8(m, m->xpk, H, m->i8_g_gu, e);
+            grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, tz, n, s.c0);
+            grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, tz, n, s.c1);
         } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
             grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
@@ -401,7 +420,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             if (!s.wf) return;
             if (m->i8_dn) {
                 grouped_i8(m, &s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
-                           ts_i8(m, m->hpk, I, m->i8_g_dn, e), n, s.c0);
+                           ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e), n, s.c0);
             } else if (m->amx) {
                 int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
                 while (a1 < m->nact && !m->tile[m->act[a1]]) a1++;
@@ -461,7 +480,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
           TR_START();
           if (m->i8_gu)
               ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
-                                ts_i8(m, m->xpk, H, m->i8_g_gu, e));
+                                ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
           else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
           else if (m->vnni_gu)
               m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
@@ -480,7 +499,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
           TR_START();
           if (m->i8_dn)
               ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, m->i8_g_dn, pk_i8(m, m->hpk, I, e),
-                                ts_i8(m, m->hpk, I, m->i8_g_dn, e));
+                                ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e));
           else if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
           else if (m->vnni_dn)
               m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);
@@ -564,7 +583,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         }
     }
     m->npad = npad;
-    if (m->amx && npad) {   /* (the I8 packing, K bytes and K / 64 floats at most a token, fits in the bf16 one's space) */
+    if (m->amx && npad) {   /* (the I8 packing, K bytes and 2K / 64 floats at most a token, fits in the bf16 one's space) */
         m->xpk = grow_pk(&m->xpk_mem, &m->cap_xpk, (size_t)(npad * H) * sizeof *m->xpk, &fail);
         m->hpk = grow_pk(&m->hpk_mem, &m->cap_hpk, (size_t)(npad * I) * sizeof *m->hpk, &fail);
         if (fail) return KTK_ENOMEM;

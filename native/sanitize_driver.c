@@ -254,50 +254,54 @@ int main(void) {
         }
         if (ktk_r16_supported(KTK_Q5_K) || ktk_r16_row_bytes(KTK_Q4_K, 100) != -1) fails++;
     }
-    {   /* I8 copies (i8.c), exact-size buffers: every value of the last expert within half a step of
-         * GGML's; the token packing of 33 tokens (3 tiles); on AMX-INT8 the layer on the copies near
-         * the GGUF rows' at batch 48; bad arguments and descriptors refused */
+    /* I8 and I4 copies (i8.c), exact-size buffers: every value of the last expert within half a step
+     * of GGML's; the token packing of 33 tokens (3 tiles); on AMX-INT8 the layer on the copies near
+     * the GGUF rows' at batch 48 (I4: within its coarser steps); bad arguments and descriptors refused */
+#define XB(r, n, G) (bits == 4 ? ktk_i4_expert_bytes(r, n, G) : ktk_i8_expert_bytes(r, n, G))
+#define XR(...) (bits == 4 ? ktk_i4_repack(__VA_ARGS__) : ktk_i8_repack(__VA_ARGS__))
+#define XD(...) (bits == 4 ? ktk_i4_dequant(__VA_ARGS__) : ktk_i8_dequant(__VA_ARGS__))
+    for (int bits = 8; bits >= 4; bits -= 4) {
         const int itypes[3] = {KTK_Q4_K, KTK_Q8_0, KTK_BF16};
         for (int ti = 0; ti < 3; ti++) {
             int t = itypes[ti];
             const int64_t dg = ti == 1 ? 64 : 0;   /* the down's group: the default, or 64 */
-            const int64_t esg = ktk_i8_expert_bytes(I, H, 0), esd = ktk_i8_expert_bytes(H, I, dg);
+            const int64_t esg = XB(I, H, 0), esd = XB(H, I, dg);
             int64_t rbh = ktk_row_bytes(t, H), rbi = ktk_row_bytes(t, I);
             uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));
             uint8_t *gi = malloc((size_t)(E * esg)), *ui = malloc((size_t)(E * esg)), *di = malloc((size_t)(E * esd));
             float *dq = malloc((size_t)(I * H) * sizeof(float)), row[256];
             fill(t, g, E * I, H); fill(t, u, E * I, H); fill(t, dn, E * H, I);
-            int bad = ktk_i8_repack(pool, t, g, rbh, I * rbh, E, I, H, 0, gi) || ktk_i8_repack(NULL, t, u, rbh, I * rbh, E, I, H, 0, ui) ||
-                      ktk_i8_repack(pool, t, dn, rbi, H * rbi, E, H, I, dg, di) || ktk_i8_dequant(gi + (E - 1) * esg, I, H, 0, dq);
-            const float *ws = (const float *)(gi + (E - 1) * esg + I * H);
+            int bad = XR(pool, t, g, rbh, I * rbh, E, I, H, 0, gi) || XR(NULL, t, u, rbh, I * rbh, E, I, H, 0, ui) ||
+                      XR(pool, t, dn, rbi, H * rbi, E, H, I, dg, di) || XD(gi + (E - 1) * esg, I, H, 0, dq);
+            const float *ws = (const float *)(gi + (E - 1) * esg + I * H * bits / 8);
             for (int r = 0; r < I && !bad; r++) {
                 ktk_dequant_row(t, g + ((E - 1) * I + r) * rbh, row, H);
                 for (int64_t c = 0; c < H && !bad; c++) bad = !(fabsf(row[c] - dq[r * H + c]) <= 0.5f * ws[r] * 1.0001f);
             }
-            if (bad) { fprintf(stderr, "I8 type %d: repack / dequant\n", t); fails++; }
+            if (bad) { fprintf(stderr, "I%d type %d: repack / dequant\n", bits, t); fails++; }
             {
                 int8_t *pk = malloc(48 * 256);
                 float *ts = malloc(48 * sizeof(float)), x[33 * 256];
                 const float *xp[33];
                 for (int i = 0; i < 33 * 256; i++) x[i] = frand();
                 for (int j = 0; j < 33; j++) xp[j] = x + j * 256;
-                ktk_amx_pack_x_i8(xp, 33, 256, 256, pk, ts);
+                ktk_amx_pack_x_i8(xp, 33, 256, 256, pk, ts, NULL);
                 if (ts[2 * 16 + 1] != 0.f || pk[2 * 4096 + 5] != 0) { fprintf(stderr, "pack_x_i8 padding\n"); fails++; }
                 free(pk); free(ts);
             }
-            ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, gi, ui, di, 0, dg};
+            ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, gi, ui, di, 0, dg, bits};
             ktk_moe_desc plain = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
             int err = 0;
             ktk_moe *m = ktk_moe_new(&d, &err), *mp = ktk_moe_new(&plain, &err);
-            if (!m || !mp) { fprintf(stderr, "I8 type %d: moe_new %d\n", t, err); fails++; }
+            if (!m || !mp) { fprintf(stderr, "I%d type %d: moe_new %d\n", bits, t, err); fails++; }
             float x[48 * 256], ref[48 * 256], out[48 * 256], w[48 * 2];
             int64_t ids[48 * 2];
             for (int i = 0; i < 48 * 256; i++) x[i] = frand();
             for (int i = 0; i < 48; i++) { ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E; w[2 * i] = frand(); w[2 * i + 1] = frand(); }
             if (m && mp && ktk_amx_int8_usable() &&
                 (ktk_moe_forward(mp, pool, KTK_ISA_AMX, 48, k, x, ids, w, ref) || ktk_moe_forward(m, pool, KTK_ISA_AMX, 48, k, x, ids, w, out) ||
-                 !(rel(out, ref, 48 * H) <= 0.05))) {
-                fprintf(stderr, "I8 type %d: layer differs\n", t); fails++;
+                 !(rel(out, ref, 48 * H) <= (bits == 4 ? 0.25 : 0.05)))) {
+                fprintf(stderr, "I%d type %d: layer differs (%g)\n", bits, t, rel(out, ref, 48 * H)); fails++;
             }
             ktk_moe_free(m); ktk_moe_free(mp);
             d.down_i8_group = 96;                          /* a group that does not fit the down's rows: refused */
@@ -305,18 +309,23 @@ int main(void) {
             d.down_i8_group = dg;
             d.up_i8 = NULL;                                /* gate without up: refused */
             if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "I8 gate without up accepted\n"); fails++; }
-            if (ktk_i8_repack(NULL, t, g, rbh, I * rbh, E, 16, H, 0, gi) != KTK_EINVAL ||          /* rows % 32 */
-                ktk_i8_repack(NULL, t, g, rbh + 1, I * rbh, E, I, H, 0, gi) != KTK_EINVAL ||      /* row bytes */
-                ktk_i8_repack(NULL, t, g, rbh, rbh, E, I, H, 0, gi) != KTK_EINVAL ||              /* overlapping experts */
-                ktk_i8_repack(NULL, 99, g, rbh, I * rbh, E, I, H, 0, gi) != KTK_EINVAL ||         /* no such type */
-                ktk_i8_repack(NULL, t, g, rbh, I * rbh, E, I, H, 192, gi) != KTK_EINVAL ||    /* G does not divide H */
-                ktk_i8_dequant(gi, I, H, 2048, dq) != KTK_EINVAL ||                           /* G longer than the row */
-                ktk_i8_dequant(gi, 16, H, 0, dq) != KTK_EINVAL) {
-                fprintf(stderr, "I8 type %d: bad arguments accepted\n", t); fails++;
+            d.up_i8 = ui; d.i8_bits = 5;                   /* no such width: refused */
+            if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "i8_bits 5 accepted\n"); fails++; }
+            if (XR(NULL, t, g, rbh, I * rbh, E, 16, H, 0, gi) != KTK_EINVAL ||          /* rows % 32 */
+                XR(NULL, t, g, rbh + 1, I * rbh, E, I, H, 0, gi) != KTK_EINVAL ||      /* row bytes */
+                XR(NULL, t, g, rbh, rbh, E, I, H, 0, gi) != KTK_EINVAL ||              /* overlapping experts */
+                XR(NULL, 99, g, rbh, I * rbh, E, I, H, 0, gi) != KTK_EINVAL ||         /* no such type */
+                XR(NULL, t, g, rbh, I * rbh, E, I, H, 192, gi) != KTK_EINVAL ||    /* G does not divide H */
+                XD(gi, I, H, 2048, dq) != KTK_EINVAL ||                           /* G longer than the row */
+                XD(gi, 16, H, 0, dq) != KTK_EINVAL) {
+                fprintf(stderr, "I%d type %d: bad arguments accepted\n", bits, t); fails++;
             }
             free(g); free(u); free(dn); free(gi); free(ui); free(di); free(dq);
         }
     }
+#undef XB
+#undef XR
+#undef XD
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
     if (bw <= 0) fails++;
     ktk_probe *pr = ktk_probe_new(pool, (8 << 20) + 3);   /* kept buffer: two whole chunks, passes reuse it */

@@ -10,7 +10,10 @@
 #  overlapped with the next group's tile work or not, three times over; GROUP_AB="256,128 256,704": the
 #  I8 copies' group sizes (gate/up,down: --int8-group), alternating, twice over, then their errors;
 #  AB_ENV="KTINJECT_AMX_I8_PREFETCH=8 KTINJECT_AMX_I8_PREFETCH=0": the I8 layer under each setting,
-#  alternating, twice over; PARTS=1: first scripts/amx_parts.c i8 on one core)
+#  alternating, twice over; PARTS=1: first scripts/amx_parts.c i8 on one core; BITS_AB=1: I8 against I4
+#  copies (--int8-bits 4; BITS_QUANTS, default q4_k), alternating, at 16 threads twice over and once at
+#  each THREAD_SWEEP count,
+#  instead of the default rows, then the errors with I4 among them)
 set -o pipefail
 DEFAULT_OUT=int8_out
 . scripts/device_env.sh
@@ -23,7 +26,7 @@ line() {   # label isa threads quants [bench flags]
     --seconds ${SECONDS_PER:-1.5} --rounds 2 --isa $isa --json "$@" 2>>"$OUT/bench.err" | python3 -c "import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
-    print('$label', {k: r.get(k) for k in ('quant', 'threads', 'int8_prefill', 'int8_group', 'ms_per_layer', 'tflops', 'amx_probe_us', 'trace_us')} if r else l.rstrip()[:300])" | tee -a "$OUT/layers.txt"
+    print('$label', {k: r.get(k) for k in ('quant', 'threads', 'int8_prefill', 'int8_bits', 'int8_group', 'ms_per_layer', 'tflops', 'amx_probe_us', 'trace_us')} if r else l.rstrip()[:300])" | tee -a "$OUT/layers.txt"
 }
 if [ -n "${PARTS:-}" ]; then   # the I8 GEMM alone: hot, cold, cold with the next block prefetched
   gcc -O3 -std=gnu11 -pthread -Inative scripts/amx_parts.c $(ls native/[a-z]*.c | grep -v -E "_check|driver") -lm \
@@ -52,15 +55,25 @@ if [ -n "${PF_SWEEP:-}" ]; then   # A/B of the I8 GEMM's prefetch distance (k-st
   done
   exit 0
 fi
-for round in ${ROUNDS:-1 2}; do
-  line "amx-bf16 r$round" amx 16 q4_k,bf16 $TRACE
-  line "amx-int8 r$round" amx 16 q4_k,bf16 --int8 $TRACE
-  [ -n "${NO_AVX512:-}" ] || line "avx512 r$round" avx512 16 q4_k,bf16
-done
-for th in ${THREAD_SWEEP-8 15}; do
-  line "amx-int8 t$th" amx $th q4_k,bf16 --int8
-  line "amx-bf16 t$th" amx $th q4_k,bf16
-done
+if [ -n "${BITS_AB:-}" ]; then   # I8 against I4 copies, alternating
+  for round in 1 2; do
+    for b in 8 4; do line "amx-int$b r$round" amx 16 ${BITS_QUANTS:-q4_k} --int8 --int8-bits $b $TRACE; done
+  done
+  for th in ${THREAD_SWEEP-8 15}; do
+    for b in 8 4; do line "amx-int$b t$th" amx $th ${BITS_QUANTS:-q4_k} --int8 --int8-bits $b; done
+  done
+  [ -n "${NO_AVX512:-}" ] || line "avx512" avx512 16 ${BITS_QUANTS:-q4_k}
+else
+  for round in ${ROUNDS:-1 2}; do
+    line "amx-bf16 r$round" amx 16 q4_k,bf16 $TRACE
+    line "amx-int8 r$round" amx 16 q4_k,bf16 --int8 $TRACE
+    [ -n "${NO_AVX512:-}" ] || line "avx512 r$round" avx512 16 q4_k,bf16
+  done
+  for th in ${THREAD_SWEEP-8 15}; do
+    line "amx-int8 t$th" amx $th q4_k,bf16 --int8
+    line "amx-bf16 t$th" amx $th q4_k,bf16
+  done
+fi
 [ -n "${NO_ERROR:-}" ] || timeout 200 python3 - <<'PY' 2>&1 | tee "$OUT/error.txt"
 import os
 import sys
@@ -83,6 +96,7 @@ for q in ("q4_k", "bf16"):
     groups = [tuple(int(v) for v in gg.split(",")) for gg in os.environ.get("GROUP_AB", "").split()]
     for name, kw in (("avx512 8-bit tokens", {"isa": "avx512"}), ("amx bf16 tiles", {"isa": "amx"}),
                      ("amx int8 tiles", {"isa": "amx", "int8_prefill": True}),
+                     ("amx int8 tiles, I4 copies", {"isa": "amx", "int8_prefill": True, "int8_bits": 4}),
                      *((f"amx int8 tiles, groups {gg}", {"isa": "amx", "int8_prefill": True, "int8_group": gg})
                        for gg in groups)):
         out = native.MoEKernel(g, u, d, pool=pool, **kw)(x, ids, w)

@@ -43,6 +43,38 @@ def test_copy_is_within_half_a_step_of_ggml(qt, n):
         assert rel_err(got, ref[e]) < 1e-2
 
 
+@pytest.mark.parametrize("qt,n,group", [(QT.Q4_K, 512, 0), (QT.Q5_0, 1408, 0), (QT.Q8_0, 192, 64), (QT.BF16, 256, 0),
+                                         (QT.Q6_K, 2048, 512)], ids=lambda v: getattr(v, "name", str(v)))
+def test_i4_copy_is_within_half_its_step_of_ggml(qt, n, group):
+    """I4 copies (int8_bits 4): half the I8 copy's value bytes plus a scale and a zero per row and group;
+    every value within half a step, (max - min) / 30, of GGML's, the group's minimum and maximum kept."""
+    E, rows = 2, 64
+    w = rand_rows(qt, E * rows, n, seed=12)
+    cp = native.repack_i8(native.ExpertMatrix(int(qt), w, E, rows, n, "w"), group=group, bits=4)
+    G = group or nmoe_group(n)
+    es = native.i8_expert_bytes(rows, n, group, bits=4)
+    assert cp.shape == (E * es,) and es == (rows * n // 2 + rows * (n // G) * 8 + 63) // 64 * 64
+    ref = dequant(qt, w, n).reshape(E, rows, n)
+    for e in range(E):
+        got = native.i8_dequant(cp[e * es:(e + 1) * es], rows, n, group, bits=4)
+        r = ref[e].reshape(rows, n // G, G)
+        step = (r.amax(-1) - r.amin(-1)) / 15
+        err = (got.reshape(rows, n // G, G) - r).abs()
+        assert (err <= step[..., None] * 0.5 * (1 + 1e-5) + 1e-6 * r.abs().amax(-1, keepdim=True)).all(), (qt.name, e)
+        assert torch.allclose(got.reshape(rows, n // G, G).amin(-1), r.amin(-1), rtol=1e-6, atol=1e-30)
+        assert rel_err(got, ref[e]) < 0.15
+
+
+def test_int8_bits_refusals():
+    w = native.ExpertMatrix(int(QT.Q8_0), rand_rows(QT.Q8_0, 32, 256), 1, 32, 256, "w")
+    for bad in (3, 16, True, "4"):
+        with pytest.raises(NativeError, match="int8_bits must be 8 .* or 4"):
+            native.repack_i8(w, bits=bad)
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q8_0, E=2, H=256, I=512)
+    with pytest.raises(NativeError, match="int8_bits must be 8 .* or 4 .*, got 2"):
+        native.MoEKernel(gate, up, down, threads=1, int8_bits=2)
+
+
 def nmoe_group(n: int) -> int:
     lib, _ = native.load()
     return int(lib.ktk_i8_group(n))
@@ -153,6 +185,34 @@ def test_moe_kernel_int8_on_amx(qt, dqt, T, monkeypatch):
     assert rel_err(small(x, ids, w), ref) < 4e-2, (qt.name, T)
 
 
+@pytest.mark.skipif(not AMX_INT8, reason="needs AMX-INT8 (Sapphire Rapids or later) with tile permission")
+@pytest.mark.parametrize("qt,dqt", [(QT.Q4_K, QT.Q5_0), (QT.Q8_0, QT.Q8_0), (QT.BF16, QT.BF16)], ids=["q4_k+q5_0", "q8_0", "bf16"])
+@pytest.mark.parametrize("T", [1, 40, 100])
+def test_moe_kernel_int4_on_amx(qt, dqt, T, monkeypatch):
+    """I4 copies on the same 8-bit tiles: against the torch reference on GGML's values the layer's
+    error is the 4-bit steps' (0.08-0.17 on these random blocks in the emulated check), and exactly
+    the layer computed in float from the copies' own values (i8_dequant) within the tokens' 8 bits;
+    decode (T = 1) reads GGUF rows, the same bits as without copies."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
+    E, H, I = 6, 256, 512
+    (gate, up, down), (G, U, D) = moe_case(qt, dqt, E=E, H=H, I=I)
+    kern = native.MoEKernel(gate, up, down, threads=3, isa="amx", int8_prefill=True, int8_bits=4)
+    plain = native.MoEKernel(gate, up, down, threads=3, isa="amx")
+    assert kern.int8_copies == ("gate", "up", "down") and kern.int8_bits == 4
+    x = torch.randn(T, H)
+    ids, w = torch.rand(T, E).topk(2, dim=1).indices.contiguous(), torch.rand(T, 2)
+    out = kern(x, ids, w)
+    if T == 1:
+        assert torch.equal(out, plain(x, ids, w))
+        return
+    assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < 0.3, (qt.name, T)
+    def values(name, rows, cols):
+        es = native.i8_expert_bytes(rows, cols, bits=4)
+        return torch.stack([native.i8_dequant(kern.i8[name][e * es:(e + 1) * es], rows, cols, bits=4) for e in range(E)])
+    own = ref_moe(x, ids, w, values("gate", I, H), values("up", I, H), values("down", H, I))
+    assert rel_err(out, own) < 4e-2, (qt.name, T)   # the tokens' 8 bits, as the I8 path against GGML's values
+
+
 def test_cpu_experts_int8_prefill_option():
     from ktinject.operators import registry
     Op = registry.get("cpu_experts")
@@ -166,6 +226,10 @@ def test_cpu_experts_int8_prefill_option():
     from ktinject.errors import RuleError
     from ktinject.operators.registry import make_options
     assert make_options(Op, {"int8_prefill": True, "int8_group": [256, 704]}).int8_group == (256, 704)
+    assert Op.Options().int8_bits == 8 and make_options(Op, {"int8_prefill": True, "int8_bits": 4}).int8_bits == 4
+    for bad in (3, "4", True):
+        with pytest.raises(ValueError, match="int8_bits must be 8 .* or 4"):
+            Op.Options(int8_bits=bad)
     with pytest.raises(RuleError, match="int8_group must be") as exc:
         make_options(Op, {"int8_group": 100}, file="rules.yaml", line=3)
     assert "rules.yaml" in str(exc.value) and "3" in str(exc.value)
@@ -183,6 +247,9 @@ def test_bench_int8_group_flag():
         _int8_group_flag(ns(int8=False, int8_group=[128]), 2048, 1408)
     with pytest.raises(KtInjectError, match=r"--int8-group for down \(--inter 1408\): int8 group size 512 does not fit"):
         _int8_group_flag(ns(int8=True, int8_group=[512]), 2048, 1408)
+    with pytest.raises(KtInjectError, match="--int8-bits sets the width of the copies of --int8; add --int8"):
+        _int8_group_flag(ns(int8=False, int8_group=None, int8_bits=4), 2048, 1408)
+    assert _int8_group_flag(ns(int8=True, int8_group=None, int8_bits=4), 2048, 1408) == (0, 0)
 
 
 def test_bench_counts_the_bytes_each_path_reads():

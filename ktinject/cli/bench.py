@@ -73,6 +73,9 @@ def add_arguments(p) -> None:
                    help="with --int8: the copies' group sizes, one for gate/up and down alike or two (gate/up, "
                         "down); multiples of 64 that divide the rows (default: 256 for V2-Lite's gate/up, 704 for "
                         "its down; cpu_experts option int8_group)")
+    g.add_argument("--int8-bits", type=int, choices=(8, 4), default=8,
+                   help="with --int8: 8 (I8 copies, the default) or 4 (I4 copies: 4 bits a weight with a scale "
+                        "and a zero per row and group, half the bytes, coarser; cpu_experts option int8_bits)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
                    "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts, "
@@ -198,6 +201,8 @@ def _int8_group_flag(args, H: int, I: int) -> tuple[int, int]:
     from ..native import moe
     if args.int8_group is not None and not args.int8:
         raise KtInjectError("--int8-group sizes the I8 copies of --int8; add --int8")
+    if getattr(args, "int8_bits", 8) != 8 and not args.int8:
+        raise KtInjectError("--int8-bits sets the width of the copies of --int8; add --int8")
     g = args.int8_group or [0]
     if len(g) > 2:
         raise KtInjectError(f"--int8-group takes one or two sizes (gate/up, down), got {len(g)}")
@@ -238,9 +243,10 @@ def bench_experts(args) -> int:
             pool = Pool(nth)
             probe = Probe(pool, int(args.probe_gib * GIB))
             kernels = [MoEKernel(g, u, d, pool=pool, isa=args.isa, int8_prefill=True if args.int8 else None,
-                                 int8_group=groups) for g, u, d in layers]
+                                 int8_group=groups, int8_bits=args.int8_bits) for g, u, d in layers]
             int8 = bool(kernels[0].int8_copies)
-            i8_bytes = 2 * native.i8_expert_bytes(I, H, groups[0]) + native.i8_expert_bytes(H, I, groups[1])
+            i8_bytes = (2 * native.i8_expert_bytes(I, H, groups[0], args.int8_bits)
+                        + native.i8_expert_bytes(H, I, groups[1], args.int8_bits))
             if args.int8 and not int8:
                 raise KtInjectError("--int8: no I8 copies were made (the log says why); they need the amx path "
                                     "on a CPU with AMX-INT8")
@@ -268,7 +274,8 @@ def bench_experts(args) -> int:
                 flops = 2.0 * 3 * H * I * T * k
                 row = {"quant": qt.name.lower(), "down_quant": dqt.name.lower(), "batch": T, "threads": pool.threads, "isa": isa_name,
                        "caller": args.caller, "int8_prefill": int8,
-                       "int8_group": list(kernels[0].int8_groups) if int8 else None, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
+                       "int8_group": list(kernels[0].int8_groups) if int8 else None,
+                       "int8_bits": kernels[0].int8_bits, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
                        "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
                        "rounds": [{"bandwidth_gbps": round(b, 2), "gbps": round(nb / t / 1e9, 2),
                                    "fraction": round(nb / t / 1e9 / b, 3)} for b, t, _, nb in rounds],

@@ -224,46 +224,61 @@ def check_i8_group(group: int, cols: int, what: str) -> None:
                           f"{', '.join(map(str, i8_groups_for(cols))) or 'none'}; 0: the default, {i8_group(cols)})")
 
 
-def i8_expert_bytes(rows: int, cols: int, group: int = 0) -> int:
-    """Bytes of one expert's I8 copy (native/i8.c) with groups of `group` values (0: `i8_group`), or
-    -1 where the layout does not take the shape (rows % 32, cols % 64, a group that does not fit)."""
+INT8_BITS = (8, 4)   # the copies' widths: I8 (int8, symmetric) and I4 (4 bits, a scale and a zero)
+
+
+def _check_bits(bits: int) -> int:
+    if isinstance(bits, bool) or bits not in INT8_BITS:
+        raise NativeError(f"int8_bits must be 8 (I8 copies) or 4 (I4 copies), got {bits!r}")
+    return int(bits)
+
+
+def i8_expert_bytes(rows: int, cols: int, group: int = 0, bits: int = 8) -> int:
+    """Bytes of one expert's I8 copy (bits 8) or I4 copy (bits 4; native/i8.c) with groups of `group`
+    values (0: `i8_group`), or -1 where the layout does not take the shape (rows % 32, cols % 64, a
+    group that does not fit)."""
     lib, _ = load()
-    return int(lib.ktk_i8_expert_bytes(int(rows), int(cols), int(group)))
+    fn = lib.ktk_i4_expert_bytes if _check_bits(bits) == 4 else lib.ktk_i8_expert_bytes
+    return int(fn(int(rows), int(cols), int(group)))
 
 
-def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None, group: int = 0) -> torch.Tensor:
-    """The experts of `m` requantized to 8 bits for the AMX-INT8 prefill path: a uint8 tensor of
-    E * i8_expert_bytes(rows, cols, group) bytes (layout in native/i8.c: int8 per row and group of
-    `group` values, 0: `i8_group(cols)`, with an f32 scale each, at most half a step from GGML's
-    values)."""
+def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None, group: int = 0, bits: int = 8) -> torch.Tensor:
+    """The experts of `m` requantized for the AMX-INT8 prefill path: a uint8 tensor of
+    E * i8_expert_bytes(rows, cols, group, bits) bytes (layout in native/i8.c). bits 8: int8 per row
+    and group of `group` values (0: `i8_group(cols)`) with an f32 scale each, at most half a step from
+    GGML's values; bits 4: 4 bits with a scale and a zero per row and group, at most (max - min) / 30
+    from them."""
     m.validate()
+    bits = _check_bits(bits)
     if m.layout != "gguf":
         raise NativeError(f"{m.name or 'expert matrix'}: I8 copies are made from GGUF rows, not {m.layout!r} ones")
     check_i8_group(group, m.cols, m.name or "expert matrix")
     lib, ffi = load()
-    es = i8_expert_bytes(m.rows, m.cols, group)
+    es = i8_expert_bytes(m.rows, m.cols, group, bits)
     if es < 0:
-        raise NativeError(f"{m.name or 'expert matrix'}: no I8 copy for {m.rows} rows of {m.cols} values "
+        raise NativeError(f"{m.name or 'expert matrix'}: no I{bits} copy for {m.rows} rows of {m.cols} values "
                           f"(needs rows % 32 == 0 and cols % 64 == 0)")
     out = torch.empty(m.n_experts * es, dtype=torch.uint8)
     rb = m.data.shape[1]
     src = ffi.cast("uint8_t *", m.data.data_ptr() + m.offset * rb)
-    check(lib.ktk_i8_repack(pool.ptr if pool is not None else ffi.NULL, int(m.ggml_type), src, rb,
-                            m.expert_stride * rb, m.n_experts, m.rows, m.cols, group, _ptr(ffi, out, "uint8_t *")),
-          f"i8_repack {m.name or ''}".strip())
+    fn = lib.ktk_i4_repack if bits == 4 else lib.ktk_i8_repack
+    check(fn(pool.ptr if pool is not None else ffi.NULL, int(m.ggml_type), src, rb, m.expert_stride * rb,
+             m.n_experts, m.rows, m.cols, group, _ptr(ffi, out, "uint8_t *")),
+          f"i{bits}_repack {m.name or ''}".strip())
     return out
 
 
-def i8_dequant(w: torch.Tensor, rows: int, cols: int, group: int = 0) -> torch.Tensor:
-    """One expert's I8 copy (uint8, i8_expert_bytes(rows, cols, group) bytes) to f32 [rows, cols]: the
-    values the AMX-INT8 tiles multiply."""
+def i8_dequant(w: torch.Tensor, rows: int, cols: int, group: int = 0, bits: int = 8) -> torch.Tensor:
+    """One expert's I8 (or I4) copy (uint8, i8_expert_bytes(rows, cols, group, bits) bytes) to f32
+    [rows, cols]: the values the AMX-INT8 tiles multiply."""
     lib, ffi = load()
     check_i8_group(group, cols, "i8_dequant")
-    es = i8_expert_bytes(rows, cols, group)
+    es = i8_expert_bytes(rows, cols, group, bits)
     if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != es:
         raise NativeError(f"i8_dequant: expected a contiguous uint8 tensor of {es} bytes")
     out = torch.empty(rows, cols, dtype=torch.float32)
-    check(lib.ktk_i8_dequant(_ptr(ffi, w, "uint8_t *"), rows, cols, group, _ptr(ffi, out, "float *")), "i8_dequant")
+    fn = lib.ktk_i4_dequant if bits == 4 else lib.ktk_i8_dequant
+    check(fn(_ptr(ffi, w, "uint8_t *"), rows, cols, group, _ptr(ffi, out, "float *")), "i8_dequant")
     return out
 
 
@@ -303,12 +318,16 @@ class MoEKernel:
     (`int8_copies` names them). Decode keeps reading the GGUF rows (or R16 copies).
     `int8_group`: the copies' group sizes: 0 or None (`i8_group` of each), one int for gate/up and
     down alike, or a pair (gate/up, down); each must fit its rows (`check_i8_group`).
+    `int8_bits`: 8 (I8 copies) or 4 (I4 copies: half the bytes to read at prefill, 4 bits a weight
+    with a scale and a zero per row and group, coarser: see docs/native.md), the same tiles.
     """
 
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
                  pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None,
-                 int8_prefill: Optional[bool] = None, int8_group: Union[int, Sequence[int], None] = None):
+                 int8_prefill: Optional[bool] = None, int8_group: Union[int, Sequence[int], None] = None,
+                 int8_bits: int = 8):
         lib, ffi = load()
+        bits = _check_bits(int8_bits)
         for m in (gate, up, down):
             m.validate()
         E, I, H = gate.n_experts, gate.rows, gate.cols
@@ -358,19 +377,20 @@ class MoEKernel:
             why = None
             if self.isa != ISAS.index("amx") or not lib.ktk_amx_int8_usable():
                 why = f"the {ISAS[self.isa]} path is in use" if self.isa != ISAS.index("amx") else "this CPU has no AMX-INT8"
-            elif i8_expert_bytes(I, H, g_gu) < 0 or i8_expert_bytes(H, I, g_dn) < 0:
+            elif i8_expert_bytes(I, H, g_gu, bits) < 0 or i8_expert_bytes(H, I, g_dn, bits) < 0:
                 why = f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 64"
             else:
-                nbytes = E * (2 * i8_expert_bytes(I, H, g_gu) + i8_expert_bytes(H, I, g_dn))
+                nbytes = E * (2 * i8_expert_bytes(I, H, g_gu, bits) + i8_expert_bytes(H, I, g_dn, bits))
                 if not _ram_allows(nbytes):
                     why = f"the copies need {nbytes / 2**20:.0f} MiB, more than this machine has to spare"
             if why:
                 _warn_once(f"int8 prefill: off: {why}; prefill converts the GGUF rows to bf16 tiles instead")
             else:
-                self.i8 = {name: repack_i8(m, self.pool, g) for name, m, g in
+                self.i8 = {name: repack_i8(m, self.pool, g, bits) for name, m, g in
                            (("gate", gate, g_gu), ("up", up, g_gu), ("down", down, g_dn))}
         self.int8_copies: tuple[str, ...] = tuple(self.i8)
         self.int8_groups = (g_gu or i8_group(H), g_dn or i8_group(I)) if self.i8 else None
+        self.int8_bits = bits if self.i8 else None
         desc = ffi.new("ktk_moe_desc *")
         desc.gate_type, desc.up_type, desc.down_type = gate.ggml_type, up.ggml_type, down.ggml_type
         desc.n_experts, desc.hidden, desc.inter = E, H, I
@@ -387,6 +407,7 @@ class MoEKernel:
             setattr(desc, name + "_i8", ffi.cast("uint8_t *", t.data_ptr()))
         if self.i8:
             desc.gate_i8_group, desc.down_i8_group = g_gu, g_dn
+            desc.i8_bits = bits
         err = ffi.new("int *")
         ptr = lib.ktk_moe_new(desc, err)
         if ptr == ffi.NULL:

@@ -57,6 +57,7 @@ class CpuExpertsOptions:
     repack: str = "auto"                 # R16 layout for the VNNI decode kernels: auto (AVX-512/AMX, RAM allows), on, off
     int8_prefill: bool = False           # I8 copies (requantized, 1 byte a weight) for the AMX-INT8 prefill path
     int8_group: Any = 0                  # their group sizes: 0 (default per matrix), n, or [gate/up, down]
+    int8_bits: int = 8                   # 8: I8 copies; 4: I4 copies (half the bytes, coarser; docs/native.md)
 
     def __post_init__(self):
         if self.quant not in CONVERT_BITS:
@@ -81,6 +82,8 @@ class CpuExpertsOptions:
                              f"[gate/up, down] of them, got {g!r}")
         if pair:
             object.__setattr__(self, "int8_group", tuple(g))
+        if isinstance(self.int8_bits, bool) or self.int8_bits not in (8, 4):
+            raise ValueError(f"int8_bits must be 8 (I8 copies) or 4 (I4 copies), got {self.int8_bits!r}")
 
 
 def _quantize(w: torch.Tensor, quant: str, name: str) -> tuple[int, torch.Tensor]:
@@ -198,7 +201,7 @@ class CpuExperts(Operator):
         self.kernel = MoEKernel(gate, up, down, threads=self.options.threads, isa=self.options.isa,
                                 repack=REPACK[self.options.repack],
                                 int8_prefill=True if self.options.int8_prefill else None,
-                                int8_group=self.options.int8_group)
+                                int8_group=self.options.int8_group, int8_bits=self.options.int8_bits)
         if self._jobs and torch.cuda.is_available():   # queued host functions may still use the old jobs
             for dev in {key[0] for key in self._jobs}:
                 torch.cuda.synchronize(dev)
@@ -317,5 +320,5 @@ class CpuExperts(Operator):
         return (f"op=cpu_experts, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
                 f"threads={self.options.threads or 'all'}, quant={self.options.quant}"
                 + (f", r16={'+'.join(self.kernel.repacked)}" if self.kernel is not None and self.kernel.repacked else "")
-                + (f", int8={'+'.join(self.kernel.int8_copies)} (groups {self.kernel.int8_groups[0]}/"
+                + (f", int{self.kernel.int8_bits}={'+'.join(self.kernel.int8_copies)} (groups {self.kernel.int8_groups[0]}/"
                    f"{self.kernel.int8_groups[1]})" if self.kernel is not None and self.kernel.int8_copies else ""))
