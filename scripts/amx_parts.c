@@ -410,7 +410,7 @@ static int layer(int nthreads) {
 }
 #endif
 
-/* "i8": ktk_amx_gemm_i8 on 32 rows of an I8 copy (random int8 values and scales; any group size G
+/* "i8": ktk_amx_gemm_i8 on 32 rows of an I8 copy (and ktk_amx_gemm_i4 on an I4 one, at G 256 / 704) (random int8 values and scales; any group size G
  * that is a multiple of 64 dividing K, since the GEMM takes G as an argument), hot (one block, in L1/L2)
  * and cold (a fresh block of a 256 MiB set each call, as the layer's first pass over the tokens reads
  * them), beside the bf16 tile GEMM of the same shape (the bench's tile probe is its 48-token row). */
@@ -418,6 +418,7 @@ static int i8(void) {
     const int64_t Ks[] = {2048, 1408}, COLD = 2048;
     const int ntoks[] = {16, 32, 48, 64, 96};
     int32_t *ci = aligned_alloc(64, 4096);
+    uint8_t *a8 = aligned_alloc(64, 32 * 2048);   /* the I4 GEMM's widened rows */
     for (int ki = 0; ki < 2; ki++) {
         const int64_t K = Ks[ki], KS = K / 64;
         int8_t *A = aligned_alloc(64, (size_t)(32 * K * COLD));
@@ -452,13 +453,27 @@ static int i8(void) {
                     }
                     printf("K=%ld tokens %ld G=%ld %s: i8 gemm %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K, (long)nt,
                            (long)G, cold ? "cold" : "hot ", best * 1e6, 2.0 * 32 * nt * K / best * 1e-12, bf / best);
+                    if (G != 256 && G != 704) continue;
+                    /* the same block as an I4 copy (the first half of these bytes as nibbles; a block is 16 K bytes) */
+                    const uint8_t *A4 = (const uint8_t *)A;
+                    ktk_amx_gemm_i4(A4, ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci, a8, pf, 1);
+                    best = 1e30;
+                    for (int rep = 0; rep < 3; rep++) {
+                        double t0 = now();
+                        for (int i = 0; i < reps; i++)
+                            ktk_amx_gemm_i4(A4 + (cold ? (int64_t)i * 16 * K : 0), ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci, a8, pf, 1);
+                        double dt = (now() - t0) / reps;
+                        if (dt < best) best = dt;
+                    }
+                    printf("K=%ld tokens %ld G=%ld %s: i4 gemm %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K, (long)nt,
+                           (long)G, cold ? "cold" : "hot ", best * 1e6, 2.0 * 32 * nt * K / best * 1e-12, bf / best);
                 }
             }
             free(pk); free(ts); free(C); free(pb);
         }
         free(A); free(ws); free(wt);
     }
-    free(ci);
+    free(ci); free(a8);
     return 0;
 }
 
