@@ -278,7 +278,7 @@ def i8_dequant(w: torch.Tensor, rows: int, cols: int, group: int = 0, bits: int 
         raise NativeError(f"i8_dequant: expected a contiguous uint8 tensor of {es} bytes")
     out = torch.empty(rows, cols, dtype=torch.float32)
     fn = lib.ktk_i4_dequant if bits == 4 else lib.ktk_i8_dequant
-    check(fn(_ptr(ffi, w, "uint8_t *"), rows, cols, group, _ptr(ffi, out, "float *")), "i8_dequant")
+    check(fn(_ptr(ffi, w, "uint8_t *"), rows, cols, group, _ptr(ffi, out, "float *")), f"i{bits}_dequant")
     return out
 
 
