@@ -307,7 +307,7 @@ KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
 KTK_AMX_TARGET
 static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G,
                            const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc,
-                           int32_t *ci, uint8_t *a8, int pf, int overlap) {
+                           int32_t *ci, uint8_t *a8, int pf, int overlap, int64_t ahead) {
     if (!t_configured) amx_config();
     const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
     const uint8_t *At = four ? a8 : A;   /* the bytes the tiles load */
@@ -323,10 +323,13 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
             _tile_zero(0); _tile_zero(1);
             if (two) { _tile_zero(2); _tile_zero(3); }
             for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                if (four && tt == 0) {
-                    if (pf && ks + pf < KS)
-                        for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(A + (ks + pf) * 1024 + 64 * i), _MM_HINT_T0);
-                    i4_widen(A + ks * 1024, a8 + ks * 2048);
+                if (four && tt == 0) {   /* widen k-step ks + ahead (and, at the start, the ones before it) */
+                    const int64_t kw = ks + ahead;
+                    if (ks == 0)
+                        for (int64_t j = 0; j < ahead && j < KS; j++) i4_widen(A + j * 1024, a8 + j * 2048);
+                    if (pf && kw + pf < KS)
+                        for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(A + (kw + pf) * 1024 + 64 * i), _MM_HINT_T0);
+                    if (kw < KS) i4_widen(A + kw * 1024, a8 + kw * 2048);
                     AMX_MEMORY_BARRIER();
                 } else if (!four && pf && tt == 0 && ks + pf < KS) {
                     prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64);
@@ -365,14 +368,14 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
 KTK_AMX_TARGET
 void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
                      int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap) {
-    gemm_ix(0, (const uint8_t *)A, ws, NULL, K, G, pk, ts, NULL, nt, C, ldc, ci, NULL, pf, overlap);
+    gemm_ix(0, (const uint8_t *)A, ws, NULL, K, G, pk, ts, NULL, nt, C, ldc, ci, NULL, pf, overlap, 0);
 }
 
 KTK_AMX_TARGET
 void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
                      const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                     int pf, int overlap) {
-    gemm_ix(1, A, ws, wz, K, G, pk, ts, tz, nt, C, ldc, ci, a8, pf, overlap);
+                     int pf, int overlap, int ahead) {
+    gemm_ix(1, A, ws, wz, K, G, pk, ts, tz, nt, C, ldc, ci, a8, pf, overlap, ahead < 0 ? 0 : ahead);
 }
 
 #undef AMX_MEMORY_BARRIER
@@ -584,9 +587,9 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
 }
 void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
                      const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                     int pf, int overlap) {
+                     int pf, int overlap, int ahead) {
     (void)A; (void)ws; (void)wz; (void)K; (void)G; (void)pk; (void)ts; (void)tz; (void)nt; (void)C; (void)ldc; (void)ci;
-    (void)a8; (void)pf; (void)overlap;
+    (void)a8; (void)pf; (void)overlap; (void)ahead;
 }
 void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,
                        const uint8_t *next, int64_t next_bytes) {

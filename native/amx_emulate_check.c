@@ -81,12 +81,12 @@ static double rel_err(const float *out, const float *ref, int64_t n) {   /* |out
 #define XD(...) (bits == 4 ? ktk_i4_dequant(__VA_ARGS__) : ktk_i8_dequant(__VA_ARGS__))
 static void gemm_ix(int bits, const uint8_t *cp, int64_t R, int64_t blk, int64_t n, int64_t G, const int8_t *pk,
                     const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                    int pf, int overlap) {   /* block blk of the expert copy at cp */
+                    int pf, int overlap, int ahead) {   /* block blk of the expert copy at cp */
     const int64_t NG = n / G;
     const float *ws = (const float *)(cp + R * n * bits / 8);
     if (bits == 4)
         ktk_amx_gemm_i4(cp + blk * 32 * n / 2, ws + blk * 32 * NG, ws + R * NG + blk * 32 * NG, n, G, pk, ts, tz, nt, C,
-                        ldc, ci, a8, pf, overlap);
+                        ldc, ci, a8, pf, overlap, ahead);
     else
         ktk_amx_gemm_i8((const int8_t *)cp + blk * 32 * n, ws + blk * 32 * NG, n, G, pk, ts, nt, C, ldc, ci, pf, overlap);
 }
@@ -161,7 +161,9 @@ static int check_ix(int bits) {
                 for (int64_t blk = 0; blk < R / 32; blk++) {   /* expert 1's blocks: the scales' offsets */
                     XD(cp + es, R, n, G, wq);
                     for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
-                    gemm_ix(bits, cp + es, R, blk, n, G, pk, ts, tz, nt, C, ldc, ci, a8, (int)(blk * 3), (int)(nt & 1));   /* prefetch 0 and 3; both orders */
+                    /* prefetch 0 and 3; both orders; I4 nibbles widened 0-4 k-steps ahead (past K where n is 192) */
+                    gemm_ix(bits, cp + es, R, blk, n, G, pk, ts, tz, nt, C, ldc, ci, a8, (int)(blk * 3), (int)(nt & 1),
+                            (int)((2 * blk + nt) % 5));
                     int badg = 0;
                     double worst = 0;
                     for (int r = 0; r < 32; r++)
@@ -200,7 +202,7 @@ static int check_ix(int bits) {
         for (int j = 0; j < 17; j++) xp[j] = x + j * n;
         int bad = XR(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, 0, cp) != KTK_OK;
         ktk_amx_pack_x_i8(xp, 17, n, 256, pk, ts, tz);
-        gemm_ix(bits, cp, 32, 0, n, 256, pk, ts, tz, 17, C, 32, ci, a8, 0, 1);
+        gemm_ix(bits, cp, 32, 0, n, 256, pk, ts, tz, 17, C, 32, ci, a8, 0, 1, 2);
         for (int r = 0; r < 32 && !bad; r++)
             for (int j = 0; j < 17 && !bad; j++) bad = (r == 7 || j == 3) != (isnan(C[r * 32 + j]) != 0);
         if (bad) { printf("FAIL i%d: a NaN token or weight does not give NaN outputs (only)\n", bits); fails++; }

@@ -183,10 +183,11 @@ void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, con
 /* The same on a block of 32 rows of an I4 copy (nibbles at A, 1 KiB a 64-value k-step;
  * scales ws and zeros wz as ws above): C[r][t] += sum * ws * ts + wz * tz per group, tz from
  * ktk_amx_pack_x_i8; a8: 32 * K bytes of scratch, where the first pass over the tokens widens the
- * nibbles to bytes (the later passes read them there). */
+ * nibbles to bytes (the later passes read them there), ahead k-steps before the tiles load them
+ * (0: the step about to be loaded). */
 void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
                      const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                     int pf, int overlap);
+                     int pf, int overlap, int ahead);
 /* tz: NULL, or the zero-point terms for ktk_amx_gemm_i4 (layout in i8.c) */
 void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts, float *tz);
 /* C [rows][ldc] (rows % 8 == 0, ldc >= n rounded up to 8) to token rows: for j < n, row

@@ -454,19 +454,24 @@ static int i8(void) {
                     printf("K=%ld tokens %ld G=%ld %s: i8 gemm %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K, (long)nt,
                            (long)G, cold ? "cold" : "hot ", best * 1e6, 2.0 * 32 * nt * K / best * 1e-12, bf / best);
                     if (G != 256 && G != 704) continue;
-                    /* the same block as an I4 copy (the first half of these bytes as nibbles; a block is 16 K bytes) */
+                    /* the same block as an I4 copy (the first half of these bytes as nibbles; a block is 16 K bytes),
+                     * its nibbles widened 0, 1, 2 or 4 k-steps before their tile loads */
                     const uint8_t *A4 = (const uint8_t *)A;
-                    ktk_amx_gemm_i4(A4, ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci, a8, pf, 1);
-                    best = 1e30;
-                    for (int rep = 0; rep < 3; rep++) {
-                        double t0 = now();
-                        for (int i = 0; i < reps; i++)
-                            ktk_amx_gemm_i4(A4 + (cold ? (int64_t)i * 16 * K : 0), ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci, a8, pf, 1);
-                        double dt = (now() - t0) / reps;
-                        if (dt < best) best = dt;
+                    for (int ahead = 0; ahead <= 4; ahead += 1 + (ahead == 2)) {
+                        ktk_amx_gemm_i4(A4, ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci, a8, pf, 1, ahead);
+                        best = 1e30;
+                        for (int rep = 0; rep < 3; rep++) {
+                            double t0 = now();
+                            for (int i = 0; i < reps; i++)
+                                ktk_amx_gemm_i4(A4 + (cold ? (int64_t)i * 16 * K : 0), ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci,
+                                                a8, pf, 1, ahead);
+                            double dt = (now() - t0) / reps;
+                            if (dt < best) best = dt;
+                        }
+                        printf("K=%ld tokens %ld G=%ld %s: i4 gemm ahead %d %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K,
+                               (long)nt, (long)G, cold ? "cold" : "hot ", ahead, best * 1e6, 2.0 * 32 * nt * K / best * 1e-12,
+                               bf / best);
                     }
-                    printf("K=%ld tokens %ld G=%ld %s: i4 gemm %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K, (long)nt,
-                           (long)G, cold ? "cold" : "hot ", best * 1e6, 2.0 * 32 * nt * K / best * 1e-12, bf / best);
                 }
             }
             free(pk); free(ts); free(C); free(pb);

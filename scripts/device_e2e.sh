@@ -86,7 +86,7 @@ if [[ $steps == *" twogpuprof "* ]]; then   # the graph decode step, one GPU vs 
 fi
 if [[ $steps == *" cpulinear "* ]]; then   # CPU-only decode on the Xeon: float32 linears vs cpu_linear (GGUF blocks)
   for rules in deepseek-v2-cpu "cpu-linear deepseek-v2-cpu"; do
-    bench v2lite deepseek-v2-lite "$rules" --prompt-lengths 512,2048 --decode-tokens 32 --repeat 3
+    bench v2lite deepseek-v2-lite "$rules" ${CPULINEAR_ARGS:---prompt-lengths 512,2048 --decode-tokens 32 --repeat 3}
   done
 fi
 if [[ $steps == *" convert "* ]]; then   # ktinject convert of a real-shape random HF directory (CONVERT_LAYERS of V2-Lite's 27)

@@ -9,8 +9,10 @@
 #  PF_SWEEP="0 4 8": only the I8 GEMM at these prefetch distances, twice over; OVERLAP_AB=1: its scaling
 #  overlapped with the next group's tile work or not, three times over; GROUP_AB="256,128 256,704": the
 #  I8 copies' group sizes (gate/up,down: --int8-group), alternating, twice over, then their errors;
-#  AB_ENV="KTINJECT_AMX_I8_PREFETCH=8 KTINJECT_AMX_I8_PREFETCH=0": the I8 layer under each setting,
-#  alternating, twice over; PARTS=1: first scripts/amx_parts.c i8 on one core; BITS_AB=1: I8 against I4
+#  AB_ENV="KTINJECT_AMX_I8_PREFETCH=8 KTINJECT_AMX_I8_PREFETCH=0": the I8 layer under each setting
+#  (several at once joined by commas: "A=1,B=2"), alternating, twice over (AB_ROUNDS="1 2"), at each of
+#  AB_THREADS (default 16), on AB_QUANTS (default q4_k,bf16), with AB_FLAGS added ("--int8-bits 4": I4);
+#  AB_ONLY=1: stop after it; PARTS=1: first scripts/amx_parts.c i8 on one core; BITS_AB=1: I8 against I4
 #  copies (--int8-bits 4; BITS_QUANTS, default q4_k), alternating, at 16 threads twice over and once at
 #  each THREAD_SWEEP count,
 #  instead of the default rows, then the errors with I4 among them)
@@ -34,9 +36,15 @@ if [ -n "${PARTS:-}" ]; then   # the I8 GEMM alone: hot, cold, cold with the nex
   grep -E "tokens (48|96)" "$OUT/parts_i8.txt" | grep -E "G=(256|704)"
 fi
 if [ -n "${AB_ENV:-}" ]; then   # A/B of environment settings on the I8 layer, alternating
-  for round in 1 2; do
-    for e in $AB_ENV; do (export "$e"; line "amx-int8 $e r$round" amx ${AB_THREADS:-16} q4_k,bf16 --int8 $TRACE); done
+  for round in ${AB_ROUNDS:-1 2}; do
+    for th in ${AB_THREADS:-16}; do
+      for e in $AB_ENV; do
+        (IFS=,; for kv in $e; do export "$kv"; done; unset IFS
+         line "amx-int8 $e t$th r$round" amx $th ${AB_QUANTS:-q4_k,bf16} --int8 ${AB_FLAGS:-} $TRACE)
+      done
+    done
   done
+  [ -n "${AB_ONLY:-}" ] && exit 0   # AB_ONLY=1: nothing after the A/B
 fi
 if [ -n "${GROUP_AB:-}" ]; then   # A/B of the I8 copies' group sizes, alternating
   for round in 1 2; do
