@@ -196,7 +196,8 @@ int ktk_pool_pin_outside(ktk_pool *p);
  * pool does this to the CPUs of its affinity mask when it has fewer workers than CPUs. */
 void ktk_cpu_spread(int n, int *cpus, const int *pkg, const int *core);
 
-/* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread ----
+/* ---- bandwidth probe: best GB/s over `reps` full reads of `bytes` by every pool thread in each of
+ * three patterns (one sequential stream a 4 MiB chunk; four; four with L2 prefetches: probe.c) ----
  * read_gbps allocates, fills and frees its buffer each call; a ktk_probe keeps one (`bytes`
  * rounded down to 4 MiB chunks, at least one; filled by the workers at creation) for repeated
  * passes, so the bench can measure the bandwidth beside each of its measurements. new: NULL when
