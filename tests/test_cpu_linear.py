@@ -192,7 +192,7 @@ def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, prese
                                     progress=False)[0]
     rules = tmp_path / "lin.yaml"                                    # the shipped overlay, both paths in reach
     rules.write_text("version: 1\nrules:\n  - match: {class: Linear}\n"
-                     "    replace: {op: cpu_linear, device: cpu, kwargs: {gemv_max_tokens: 8}}\n")
+                     "    replace: {op: cpu_linear, device: cpu, kwargs: {gemv_max_tokens: 8, prefill_dtype: float32}}\n")
     model, tok = optimize_and_load(path, [str(rules), CPU_PACK[family]])
     src = open_source(path)
     q = model.model.layers[1].self_attn.o_proj
@@ -209,6 +209,16 @@ def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, prese
     per_pos = ((one - want[:, :4]).abs().amax(-1) / want[:, :4].abs().amax(-1))[0]
     assert torch.isfinite(one).all() and per_pos.median().item() < 5e-2, per_pos
     src.close()
+    # the dequantize path in bfloat16 (what `auto` picks on AMX / AVX512-BF16 CPUs) rounds both
+    # operands to 8 significant bits: within what the dot path's 8-bit activations cost
+    rules.write_text(rules.read_text().replace("prefill_dtype: float32", "prefill_dtype: bfloat16"))
+    model, _ = optimize_and_load(path, [str(rules), CPU_PACK[family]])
+    assert model.model.layers[1].self_attn.o_proj._mm_dtype == torch.bfloat16
+    with torch.no_grad():
+        bf = model(ids).logits
+    per_pos = ((bf - want).abs().amax(-1) / want.abs().amax(-1))[0]
+    assert torch.isfinite(bf).all() and per_pos.median().item() < 5e-2, per_pos
+    assert not torch.equal(bf, got)
 
 
 def test_decode_runs_torch_single_threaded_with_native_linears(tmp_path):
@@ -252,14 +262,49 @@ def test_prefill_path_in_several_chunks():
     from ktinject.weights.tensor import GGMLTensor
     rows, n = 1000, 512
     data = _rows(QT.Q6_K, rows=rows, n=n)
-    op = CpuLinear(n, rows, False, CpuLinearOptions(gemv_max_tokens=4, chunk_mb=1), "t.big")
-    op.load_weights("t.big.", {"t.big.weight": GGMLTensor(int(QT.Q6_K), (rows, n), data)})
     x = torch.randn(9, n)
     ref = x @ native.dequant_rows(None, int(QT.Q6_K), data, n).T
     assert (1 << 20) // (4 * n) < rows                                   # 512 rows a chunk: two chunks
-    assert ((op(x) - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 1e-2)):          # bf16: 8-bit significands
+        op = CpuLinear(n, rows, False, CpuLinearOptions(gemv_max_tokens=4, chunk_mb=1, prefill_dtype=dtype), "t.big")
+        op.load_weights("t.big.", {"t.big.weight": GGMLTensor(int(QT.Q6_K), (rows, n), data)})
+        y = op(x)
+        assert y.dtype == torch.float32 and ((y - ref).abs().max() / ref.abs().max()).item() < tol
+        assert ((y - ref).norm() / ref.norm()).item() < tol / 2
+        if dtype == "bfloat16":                                          # the same as the bf16 product
+            want = (x.bfloat16() @ native.dequant_rows(None, int(QT.Q6_K), data, n).bfloat16().T).float()
+            assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
     with pytest.raises(ValueError, match="input of 256 features"):
         op(torch.randn(2, 256))
+
+
+def test_prefill_dtype_and_token_limit_follow_the_cpu(monkeypatch):
+    """`auto` multiplies in bfloat16 where the CPU has bf16 dot instructions (and the dots stop at 128
+    tokens there, 256 elsewhere); float32 and float16 weights keep float32; explicit values win."""
+    from ktinject.operators import cpu_linear as cl
+    for has, want in ((True, (128, torch.bfloat16)), (False, (256, torch.float32))):
+        monkeypatch.setattr(cl, "cpu_multiplies_bf16", lambda has=has: has)
+        assert cl.CpuLinearOptions().resolved() == want
+        assert cl.CpuLinearOptions().resolved(torch.bfloat16) == want
+        assert cl.CpuLinearOptions().resolved(torch.float32) == (256, torch.float32)
+        assert cl.CpuLinearOptions().resolved(torch.float16) == (256, torch.float32)
+        assert cl.CpuLinearOptions(gemv_max_tokens=40, prefill_dtype="bfloat16").resolved() == (40, torch.bfloat16)
+        assert cl.CpuLinearOptions(prefill_dtype="float32").resolved(torch.bfloat16) == (256, torch.float32)
+    with pytest.raises(ValueError, match="prefill_dtype must be auto, float32 or bfloat16, got 'fp16'"):
+        cl.CpuLinearOptions(prefill_dtype="fp16")
+    with pytest.raises(ValueError, match="gemv_max_tokens must be >= 0"):
+        cl.CpuLinearOptions(gemv_max_tokens=-1)
+
+
+def test_bf16_rows_multiply_in_bf16_as_stored():
+    """BF16 GGML rows on the bfloat16 prefill path: no dequantization, the stored rows themselves."""
+    from ktinject.operators.cpu_linear import CpuLinear, CpuLinearOptions
+    from ktinject.weights.tensor import GGMLTensor
+    w = (torch.randn(40, 256) * 0.05).bfloat16()
+    op = CpuLinear(256, 40, False, CpuLinearOptions(prefill_dtype="bfloat16"), "t.bf")
+    op.load_weights("t.bf.", {"t.bf.weight": GGMLTensor(int(QT.BF16), (40, 256), w.view(torch.uint8))})
+    x = torch.randn(20, 256)                                              # past the 8-token float limit
+    assert torch.equal(op(x), (x.bfloat16() @ w.T).float())
 
 
 def test_unreadable_blocks_and_odd_widths_fall_back_in_order():

@@ -10,16 +10,20 @@ over the CPU experts' thread pool: each 64-row chunk of the weight is read once,
 quantized form, for all the tokens, as llama.cpp does on the CPU; while that pool is busy with
 the routed experts (the `moe` operator runs the shared experts meanwhile) the calling thread
 computes alone. Longer inputs dequantize the rows in chunks of `chunk_mb` and multiply with
-torch (float weights: the dots only up to 8 tokens, where they beat torch's own kernels). The
-maths is `y = x W^T + b` with W the dequantized weight; on the dot path the quantized types take
-8-bit activations (one scale per 32 values, per 256 for the K-quants: the native dots' format).
+torch (float weights: the dots only up to 8 tokens, where they beat torch's own kernels), in
+bfloat16 where the CPU multiplies it natively (AMX-BF16 or AVX512-BF16: `prefill_dtype: auto`),
+else in float32. The maths is `y = x W^T + b` with W the dequantized weight; on the dot path the
+quantized types take 8-bit activations (one scale per 32 values, per 256 for the K-quants: the
+native dots' format), on the bfloat16 path both operands are rounded to bfloat16 (8 bits of
+mantissa: finer than the dots' 8-bit activations) and the products summed in float32.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -37,7 +41,21 @@ QUANTS = {q: (NATIVE_TYPES[q], {**CONVERT_BITS, "f16": 16.0}[q])
 _FLOAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _ELEMENT = {NATIVE_TYPES[name]: dtype for dtype, name in _FLOAT.items()}   # GGML float types -> torch dtype
 ELEMENT_GEMV_MAX = 8        # float weights: the native dots beat torch only up to here (2 AVX2 cores)
+# gemv_max_tokens when not set: where dequantize + torch's GEMM overtakes the dots (measured with
+# scripts/cpu_linear_crossover.py on V2-Lite's dense shapes; docs/operators.md): about 128 tokens
+# with bf16 GEMMs (16-core Xeon with AMX, 2-core Zen 4), about 300 with float32 ones (2 AVX2 cores)
+GEMV_MAX_BF16, GEMV_MAX_F32 = 128, 256
+PREFILL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SCRATCH = threading.local()  # one dequantization buffer per thread, shared by the layers
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AMX-BF16 or AVX512-BF16), so that
+    torch's bfloat16 GEMM runs faster than its float32 one (2.0-2.6x at 512 tokens on the lent Xeon);
+    without them torch emulates bfloat16 and is slower."""
+    from ..cli.doctor import cpu_flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags()[1])
 
 
 @dataclass(frozen=True)
@@ -45,15 +63,33 @@ class CpuLinearOptions:
     quant: str = "auto"          # weights not already GGML rows the kernels read: auto keeps their float
                                  # type (exact); q8_0, q4_k, q6_k, bf16, f16, f32 convert at load
     threads: int = 0             # the native pool (0: all CPUs; the CPU experts' pool of the same size)
-    gemv_max_tokens: int = 256   # above: dequantize in chunks and multiply with torch (2 AVX2 cores:
-                                 # the dots win up to ~300 tokens)
+    gemv_max_tokens: Optional[int] = None   # above: dequantize in chunks and multiply with torch (None:
+                                 # 128 where that multiplies in bfloat16, else 256)
     chunk_mb: int = 64           # float32 megabytes dequantized at a time on that path
+    prefill_dtype: str = "auto"  # that path's GEMM: bfloat16, float32, or auto (bfloat16 where the CPU
+                                 # has AMX-BF16 or AVX512-BF16, unless the weight is float32 / float16)
 
     def __post_init__(self):
         if self.quant != "auto" and self.quant not in QUANTS:
             raise ValueError(f"quant must be auto or one of {', '.join(QUANTS)}, got {self.quant!r}")
-        if self.threads < 0 or self.gemv_max_tokens < 0 or self.chunk_mb < 1:
+        if self.threads < 0 or (self.gemv_max_tokens is not None and self.gemv_max_tokens < 0) or self.chunk_mb < 1:
             raise ValueError("threads and gemv_max_tokens must be >= 0, chunk_mb >= 1")
+        if self.prefill_dtype != "auto" and self.prefill_dtype not in PREFILL_DTYPES:
+            raise ValueError(f"prefill_dtype must be auto, {' or '.join(PREFILL_DTYPES)}, got {self.prefill_dtype!r}")
+
+    def resolved(self, element: Optional[torch.dtype] = None) -> tuple[int, torch.dtype]:
+        """(gemv_max_tokens, the prefill GEMM's dtype) with `auto` / None decided for this CPU and a
+        weight whose rows are GGML blocks (element None) or floats of `element`: float32 and float16
+        weights keep float32 (their precision was asked for), blocks and bfloat16 rows take bfloat16."""
+        name = self.prefill_dtype
+        if name == "auto":
+            exact = element in (torch.float32, torch.float16)
+            name = "bfloat16" if cpu_multiplies_bf16() and not exact else "float32"
+        dtype = PREFILL_DTYPES[name]
+        limit = self.gemv_max_tokens
+        if limit is None:
+            limit = GEMV_MAX_BF16 if dtype == torch.bfloat16 else GEMV_MAX_F32
+        return limit, dtype
 
 
 @register("cpu_linear")
@@ -135,8 +171,8 @@ class CpuLinear(Operator):
         self._isa = native.isa_index()                    # resolved once: forward runs per token
         element = _ELEMENT.get(self.ggml_type)
         self._element = element
-        self._gemv_limit = min(self.options.gemv_max_tokens, ELEMENT_GEMV_MAX) if element is not None \
-            else self.options.gemv_max_tokens
+        limit, self._mm_dtype = self.options.resolved(element)
+        self._gemv_limit = min(limit, ELEMENT_GEMV_MAX) if element is not None else limit
         return keys
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +185,11 @@ class CpuLinear(Operator):
         T = x2.shape[0]
         if T <= self._gemv_limit:            # the weight was checked at load (and C checks again)
             y = native.linear_checked_rows(self._pool, self._isa, self.ggml_type, self.qweight, self.in_features, x2)
-        elif self._element == torch.float32:     # the rows are float32 already
+        elif self._element == torch.float32 and self._mm_dtype == torch.float32:   # float32 rows already
             y = x2 @ self.qweight.view(torch.float32).view(self.out_features, self.in_features).T
+        elif self._element == self._mm_dtype:    # bf16 rows multiplied in bf16 as they are
+            w = self.qweight.view(self._element).view(self.out_features, self.in_features)
+            y = (x2.to(self._mm_dtype) @ w.T).float()
         else:
             y = torch.empty(T, self.out_features, dtype=torch.float32)
             step = max(1, (self.options.chunk_mb << 20) // (4 * self.in_features))
@@ -158,10 +197,11 @@ class CpuLinear(Operator):
             scratch = getattr(_SCRATCH, "buf", None)
             if scratch is None or scratch.numel() < need:
                 scratch = _SCRATCH.buf = torch.empty(need, dtype=torch.float32)
+            xm = x2.to(self._mm_dtype)
             for r0 in range(0, self.out_features, step):
                 r1 = min(r0 + step, self.out_features)
                 w = native.dequant_rows(self._pool, self.ggml_type, self.qweight[r0:r1], self.in_features, out=scratch)
-                y[:, r0:r1] = x2 @ w.T
+                y[:, r0:r1] = xm @ w.T if self._mm_dtype == torch.float32 else (xm @ w.to(self._mm_dtype).T).float()
         if self.has_bias:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.device, x.dtype)
