@@ -283,8 +283,10 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (m->i8_gu) {
             const int8_t *pk = pk_i8(m, m->xpk, H, e);
             const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e), *tz = tz_i8(m, m->xpk, H, m->i8_g_gu, e);
+            TR_START();
             grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, tz, n, s.c0);
             grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, tz, n, s.c1);
+            TR_ADD(tid, 1);
         } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
             grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
@@ -423,8 +425,10 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
             if (!s.wf) s = get_scratch(m, tid);
             if (!s.wf) return;
             if (m->i8_dn) {
+                TR_START();
                 grouped_i8(m, &s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
                            ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e), n, s.c0);
+                TR_ADD(tid, 4);
             } else if (m->amx) {
                 int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
                 while (a1 < m->nact && !m->tile[m->act[a1]]) a1++;

@@ -348,7 +348,7 @@ static int duty(void) {
 /* "layer": one DeepSeek-V2-Lite MoE layer (64 experts of 1408, Q4_K gate/up, Q5_0 down, top-6) at
  * batch 512 on the AMX path, random and balanced routing (every expert 48 tokens); per call: its
  * wall time, and each part's time summed in moe.c's counters, as a mean over the workers. */
-static int layer(int nthreads) {
+static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / I4 copies at the default groups */
     const int64_t E = 64, H = 2048, I = 1408, T = 512, k = 6, CALLS = 20;
     if (nthreads < 1 || nthreads > KTK_LAYER_TRACE_T) {
         fprintf(stderr, "layer: threads must be 1-%d, not %d\n", KTK_LAYER_TRACE_T, nthreads);
@@ -359,8 +359,24 @@ static int layer(int nthreads) {
     uint8_t *dn = random_rows(KTK_Q5_0, I, E * H, &rbi);
     ktk_moe_desc d = {KTK_Q4_K, KTK_Q4_K, KTK_Q5_0, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
     int err = 0;
-    ktk_moe *m = ktk_moe_new(&d, &err);
     ktk_pool *pool = ktk_pool_new(nthreads, 1);
+    uint8_t *cp[3] = {NULL, NULL, NULL};
+    if (bits && pool) {   /* I8 / I4 copies of the three matrices, as cpu_experts makes them with int8_prefill */
+        const int types[3] = {KTK_Q4_K, KTK_Q4_K, KTK_Q5_0};
+        const uint8_t *src[3] = {g, u, dn};
+        const int64_t rows[3] = {I, I, H}, n[3] = {H, H, I}, rb[3] = {rbh, rbh, rbi};
+        for (int j = 0; j < 3; j++) {
+            const int64_t es = bits == 4 ? ktk_i4_expert_bytes(rows[j], n[j], 0) : ktk_i8_expert_bytes(rows[j], n[j], 0);
+            cp[j] = aligned_alloc(64, (size_t)(E * es));
+            if (!cp[j] || (bits == 4 ? ktk_i4_repack : ktk_i8_repack)(pool, types[j], src[j], rb[j], rows[j] * rb[j], E,
+                                                                        rows[j], n[j], 0, cp[j])) {
+                fprintf(stderr, "layer: repack %d failed\n", j);
+                return 1;
+            }
+        }
+        d.gate_i8 = cp[0]; d.up_i8 = cp[1]; d.down_i8 = cp[2]; d.i8_bits = bits;
+    }
+    ktk_moe *m = ktk_moe_new(&d, &err);
     if (!m || !pool) { fprintf(stderr, "layer: moe_new %d or pool failed\n", err); return 1; }
     const float **X = malloc((size_t)T * sizeof *X);
     float *x = tokens(T, H, X), *out = malloc((size_t)(T * H) * 4), *w = malloc((size_t)(T * k) * 4);
@@ -392,7 +408,8 @@ static int layer(int nthreads) {
             if (ktk_moe_forward(m, pool, KTK_ISA_AMX, T, k, x, ids, w, out)) { fprintf(stderr, "forward failed\n"); return 1; }
         double wall = (now() - t0) / CALLS * 1e3, busy = 0;
         int n = ktk_pool_threads(pool);
-        printf("layer %s routing, %d threads: %.2f ms per call (TSC %.2f GHz)\n", balanced ? "balanced" : "random", n, wall, ghz);
+        printf("layer %s routing, %s, %d threads: %.2f ms per call (TSC %.2f GHz)\n", balanced ? "balanced" : "random",
+               bits == 4 ? "I4 copies" : bits == 8 ? "I8 copies" : "bf16 tiles", n, wall, ghz);
         for (int p = 0; p < 8; p++) {
             double sum = 0, mx = 0;
             for (int t = 0; t < n && t < KTK_LAYER_TRACE_T; t++) {
@@ -406,6 +423,7 @@ static int layer(int nthreads) {
     }
     ktk_moe_free(m); ktk_pool_free(pool);
     free(g); free(u); free(dn); free(x); free(X); free(out); free(w); free(ids);
+    for (int j = 0; j < 3; j++) free(cp[j]);
     return 0;
 }
 #endif
@@ -485,7 +503,8 @@ static int i8(void) {
 int main(int argc, char **argv) {
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
 #if defined(KTK_LAYER_TRACE)
-    if (argc > 1 && !strcmp(argv[1], "layer")) return layer(argc > 2 ? atoi(argv[2]) : 16);
+    if (argc > 1 && !strcmp(argv[1], "layer"))   /* layer [threads] [bf16|i8|i4] */
+        return layer(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? (!strcmp(argv[3], "i4") ? 4 : !strcmp(argv[3], "i8") ? 8 : 0) : 0);
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
