@@ -208,6 +208,10 @@ void ktk_r16_init(void);   /* reads the $KTINJECT_R16_* knobs once; call before 
 /* pool (pool.c): a job is `nphase` phases; phase p has `items[p]` work items run by fn. */
 typedef void (*ktk_item_fn)(void *ctx, int phase, int64_t item, int tid);
 int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items);
+/* the same, with the items a worker takes per claim for each phase (claims NULL, or an entry 0: the
+ * pool's own, $KTINJECT_POOL_CLAIM or 1; at most 64) */
+int ktk_pool_run_async_claims(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items,
+                              const int64_t *claims);
 int ktk_pool_wait(ktk_pool *p);
 void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes);   /* per-thread scratch, grows */
 

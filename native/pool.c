@@ -50,6 +50,7 @@ struct ktk_pool {
     size_t *scratch_size;
     long spin_ns;
     int64_t claim_n;                    /* items taken per claim ($KTINJECT_POOL_CLAIM, 1-64; 1 by default) */
+    _Atomic int64_t claim_ph[MAX_PHASES];   /* the current job's, per phase: claim_n or the poster's choice */
     /* trace (KTINJECT_POOL_TRACE): times of the current job, sums since the last read */
     int trace;
     long t_post, t_done, t_phase[MAX_PHASES];
@@ -105,7 +106,8 @@ static int64_t claim_item(ktk_pool *p, int ph, uint32_t g, int64_t *count) {
         if ((uint32_t)(v >> 32) != g) return -2;
         int64_t i = (int64_t)(uint32_t)v, n = atomic_load_explicit(&p->items[ph], memory_order_relaxed);
         if (i >= n) return -1;
-        int64_t take = p->claim_n < n - i ? p->claim_n : n - i;   /* i + take <= n <= INT32_MAX: no carry */
+        const int64_t cn = atomic_load_explicit(&p->claim_ph[ph], memory_order_relaxed);
+        int64_t take = cn < n - i ? cn : n - i;   /* i + take <= n <= INT32_MAX: no carry */
         if (atomic_compare_exchange_weak_explicit(&p->claim[ph], &v, v + (uint64_t)take, memory_order_acq_rel,
                                                   memory_order_acquire)) {
             *count = take;
@@ -336,9 +338,14 @@ void *ktk_pool_scratch(ktk_pool *p, int tid, size_t bytes) {
 }
 
 int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items) {
+    return ktk_pool_run_async_claims(p, fn, ctx, nphase, items, NULL);
+}
+
+int ktk_pool_run_async_claims(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const int64_t *items,
+                              const int64_t *claims) {
     if (!p || nphase < 1 || nphase > MAX_PHASES) return KTK_EINVAL;
     for (int i = 0; i < nphase; i++)
-        if (items[i] < 0 || items[i] > INT32_MAX) return KTK_EINVAL;
+        if (items[i] < 0 || items[i] > INT32_MAX || (claims && (claims[i] < 0 || claims[i] > 64))) return KTK_EINVAL;
     int idle = 0;
     if (!atomic_compare_exchange_strong(&p->busy, &idle, 1)) return KTK_EBUSY;
     uint32_t g = atomic_load(&p->gen) + 1;
@@ -349,6 +356,7 @@ int ktk_pool_run_async(ktk_pool *p, ktk_item_fn fn, void *ctx, int nphase, const
     for (int i = 0; i < nphase; i++) {
         atomic_store_explicit(&p->items[i], items[i], memory_order_relaxed);
         atomic_store_explicit(&p->completed[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&p->claim_ph[i], claims && claims[i] ? claims[i] : p->claim_n, memory_order_relaxed);
     }
     if (p->trace) { atomic_store(&p->t_first, 0); atomic_store(&p->t_last, 0); p->t_post = now_ns(); }
     atomic_store(&p->gen, g);       /* seq_cst: publishes the job, ordered before the sleepers load */

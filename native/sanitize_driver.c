@@ -16,6 +16,12 @@ static double rel(const float *a, const float *b, int64_t n) {
     return sqrt(num / (den > 0 ? den : 1e-30));
 }
 
+static void claim_item_fn(void *ctx, int phase, int64_t item, int tid) {
+    (void)tid;
+    _Atomic int (*seen)[100] = ctx;
+    seen[phase][item]++;
+}
+
 int main(void) {
     static const int types[] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K, KTK_IQ4_XS, KTK_BF16, KTK_F16, KTK_F32};
     const int64_t E = 4, H = 256, I = 512, k = 2;
@@ -335,6 +341,17 @@ int main(void) {
         fprintf(stderr, "probe object\n"); fails++;
     }
     ktk_probe_free(pr);
+    {   /* per-phase claims: every item of every phase runs once, whatever each phase claims at a time */
+        static _Atomic int seen[3][100];
+        memset((void *)seen, 0, sizeof seen);
+        const int64_t items[3] = {37, 100, 5}, claims[3] = {3, 0, 64}, bad[3] = {1, 65, 1};
+        int rc = ktk_pool_run_async_claims(pool, claim_item_fn, (void *)seen, 3, items, claims);
+        rc = rc ? rc : ktk_pool_wait(pool);
+        for (int ph = 0; ph < 3; ph++)
+            for (int64_t i = 0; i < 100; i++) rc |= seen[ph][i] != (i < items[ph]);
+        rc |= ktk_pool_run_async_claims(pool, claim_item_fn, (void *)seen, 3, items, bad) != KTK_EINVAL;
+        if (rc) { fprintf(stderr, "pool claims\n"); fails++; }
+    }
     {   /* the pool's CPU order: siblings numbered (0, 1) spread one per core first */
         int cpus[8] = {0, 1, 2, 3, 4, 5, 6, 7}, pkg[8] = {0}, core[8] = {0, 0, 1, 1, 2, 2, 3, 3};
         const int want[8] = {0, 2, 4, 6, 1, 3, 5, 7};

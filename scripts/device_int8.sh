@@ -12,7 +12,7 @@
 #  AB_ENV="KTINJECT_AMX_I8_PREFETCH=8 KTINJECT_AMX_I8_PREFETCH=0": the I8 layer under each setting
 #  (several at once joined by commas: "A=1,B=2"), alternating, twice over (AB_ROUNDS="1 2"), at each of
 #  AB_THREADS (default 16), on AB_QUANTS (default q4_k,bf16), with AB_FLAGS added ("--int8-bits 4": I4);
-#  AB_ONLY=1: stop after it; PARTS=1: first scripts/amx_parts.c i8 on one core; BITS_AB=1: I8 against I4
+#  AB_ONLY=1: stop after it; NO_TESTS=1: no tests first; PARTS=1: first scripts/amx_parts.c i8 on one core; BITS_AB=1: I8 against I4
 #  copies (--int8-bits 4; BITS_QUANTS, default q4_k), alternating, at 16 threads twice over and once at
 #  each THREAD_SWEEP count,
 #  instead of the default rows, then the errors with I4 among them)
@@ -20,7 +20,7 @@ set -o pipefail
 DEFAULT_OUT=int8_out
 . scripts/device_env.sh
 python3 -m ktinject.native.build 2>&1 | tail -1
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_i8.py tests/test_amx_emulated.py tests/test_native_sanitize.py \
+[ -n "${NO_TESTS:-}" ] || timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_i8.py tests/test_amx_emulated.py tests/test_native_sanitize.py \
   tests/test_r16.py -k "not repacked or amx" 2>&1 | tee "$OUT/tests.log" | tail -4
 line() {   # label isa threads quants [bench flags]
   local label=$1 isa=$2 th=$3 q=$4; shift 4

@@ -14,8 +14,8 @@ torch (float weights: the dots only up to 8 tokens, where they beat torch's own 
 bfloat16 where the CPU multiplies it natively (AMX-BF16 or AVX512-BF16: `prefill_dtype: auto`),
 else in float32. The maths is `y = x W^T + b` with W the dequantized weight; on the dot path the
 quantized types take 8-bit activations (one scale per 32 values, per 256 for the K-quants: the
-native dots' format), on the bfloat16 path both operands are rounded to bfloat16 (8 bits of
-mantissa: finer than the dots' 8-bit activations) and the products summed in float32.
+native dots' format), on the bfloat16 path both operands and the result are rounded to bfloat16
+(8-bit significands, as fine as the dots' 8-bit activations; torch sums in float32).
 """
 from __future__ import annotations
 
