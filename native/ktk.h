@@ -69,6 +69,10 @@ int ktk_linear(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_byt
                int64_t T, const float *x, float *y);
 int ktk_dequant_rows(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n,
                      float *dst);
+/* bit t set: ktk_linear multiplies GGML type t with the 8-bit grouped GEMM from
+ * ktk_linear_grouped_min() tokens on (0 there: never; $KTINJECT_LINEAR_GROUPED_MIN, default 16) */
+unsigned ktk_linear_grouped_types(int isa);
+int64_t ktk_linear_grouped_min(void);
 
 /* ---- the fused MoE layer ---- */
 typedef struct {

@@ -63,6 +63,26 @@ int main(void) {
             }
             free(dq);
             if (bad) { fprintf(stderr, "MISMATCH type %d isa %d: ktk_linear / ktk_dequant_rows\n", t, isa); fails++; }
+            if (ktk_linear_grouped_types(isa) >> t & 1) {   /* 20 tokens: the grouped 8-bit GEMM, R % 4 == 1 */
+                static float yg[20 * 512], yn[20 * 512];
+                double worst = 0;
+                bad = ktk_linear(pool, isa, t, gl, rbh, R, H, 20, x, yg) || ktk_linear(NULL, isa, t, gl, rbh, R, H, 20, x, yn) ||
+                      memcmp(yg, yn, sizeof(float) * 20 * (size_t)R);
+                for (int tt = 0; tt < 20 && !bad; tt++) {
+                    ktk_gemv(KTK_ISA_SCALAR, t, gl, rbh, R, H, x + tt * H, yt);
+                    double mx = 0, d = 0;   /* the largest difference against the largest output */
+                    for (int r = 0; r < R; r++) {
+                        mx = fabs(yt[r]) > mx ? fabs(yt[r]) : mx;
+                        d = fabs(yg[tt * R + r] - yt[r]) > d ? fabs(yg[tt * R + r] - yt[r]) : d;
+                    }
+                    const double e = d / (mx > 0 ? mx : 1);
+                    worst = e > worst ? e : worst;
+                }
+                if (bad || !(worst < 0.02)) {   /* (8-bit activations per 32 values: 0.005-0.007 here) */
+                    fprintf(stderr, "MISMATCH type %d isa %d: grouped ktk_linear (error %.4f)\n", t, isa, worst);
+                    fails++;
+                }
+            }
         }
         for (int T = 1; T <= 48; T += 47) {
             if (ktk_moe_forward(m, pool, KTK_ISA_SCALAR, T, k, x, ids, w, ref)) { fails++; continue; }

@@ -35,6 +35,39 @@ def test_native_linear_equals_dequantized_matmul(qt, T):
     assert torch.equal(native.linear(None, int(qt), w, 512, x), y)        # the caller's thread alone: same
 
 
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0])
+@pytest.mark.parametrize("T", [16, 40, 70])
+def test_native_linear_grouped_gemm_from_16_tokens(qt, T, monkeypatch):
+    """From 16 tokens the types the 8-bit grouped kernels take run as one GEMM over panels of 16
+    tokens (activations per 32 values): within the dots' error of the dequantized matmul, the same
+    bits with and without the pool, and a last chunk of rows that is no multiple of 4 (101 rows)."""
+    pool = native.default_pool(2)
+    w = _rows(qt, rows=101)
+    deq = native.dequant_rows(pool, int(qt), w, 512)
+    x = torch.randn(T, 512, generator=torch.Generator().manual_seed(T))
+    ref = x @ deq.T
+    grouped = native.linear_grouped_from(int(qt)) > 0
+    y = native.linear(pool, int(qt), w, 512, x)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1.5e-2
+    assert torch.equal(native.linear(None, int(qt), w, 512, x), y)
+    monkeypatch.setenv("KTINJECT_LINEAR_GROUPED_MIN", "0")               # the per-token dots instead
+    assert native.linear_grouped_from(int(qt)) == 0
+    dots = native.linear(pool, int(qt), w, 512, x)
+    assert ((dots - ref).abs().max() / ref.abs().max()).item() < 1.5e-2
+    assert torch.equal(dots, y) != grouped                               # another path where it runs
+
+
+def test_grouped_linear_types():
+    from ktinject.native import ISAS
+    usable = native.usable_isas()
+    for name in ("avx2", "avx512"):
+        if name in usable:
+            isa = ISAS.index(name)
+            assert native.linear_grouped_from(int(QT.Q4_K), isa) == 16
+            assert native.linear_grouped_from(int(QT.BF16), isa) == 0
+    assert native.linear_grouped_from(int(QT.Q4_K), ISAS.index("scalar")) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_linear_float_rows_shorter_than_a_block(dtype):
     """Float rows take no activation records: 16 values (less than one 32-value block) work too."""
@@ -290,6 +323,8 @@ def test_prefill_dtype_and_token_limit_follow_the_cpu(monkeypatch):
         assert cl.CpuLinearOptions().resolved(torch.float16) == (256, torch.float32)
         assert cl.CpuLinearOptions(gemv_max_tokens=40, prefill_dtype="bfloat16").resolved() == (40, torch.bfloat16)
         assert cl.CpuLinearOptions(prefill_dtype="float32").resolved(torch.bfloat16) == (256, torch.float32)
+        assert cl.CpuLinearOptions().resolved(grouped=True) == (1024, want[1])      # the grouped 8-bit GEMM
+        assert cl.CpuLinearOptions(gemv_max_tokens=50).resolved(grouped=True) == (50, want[1])
     with pytest.raises(ValueError, match="prefill_dtype must be auto, float32 or bfloat16, got 'fp16'"):
         cl.CpuLinearOptions(prefill_dtype="fp16")
     with pytest.raises(ValueError, match="gemv_max_tokens must be >= 0"):

@@ -304,6 +304,16 @@ def linear_checked_rows(pool: Optional["Pool"], isa: int, ggml_type: int, w: tor
     return y
 
 
+def linear_grouped_from(ggml_type: int, isa: Optional[int] = None) -> int:
+    """The token count from which `linear` multiplies rows of this GGML type with the 8-bit grouped
+    GEMM on the ISA path `isa` (an `isa_index()`; default the running one), 0 where it never does
+    (float rows, types the grouped kernels do not take, the scalar path, or
+    $KTINJECT_LINEAR_GROUPED_MIN=0)."""
+    lib, _ = load()
+    isa = isa_index() if isa is None else int(isa)
+    return int(lib.ktk_linear_grouped_min()) if lib.ktk_linear_grouped_types(isa) >> int(ggml_type) & 1 else 0
+
+
 def dequant_rows(pool: Optional["Pool"], ggml_type: int, w: torch.Tensor, n: int,
                  out: Optional[torch.Tensor] = None, isa_name: Optional[str] = None) -> torch.Tensor:
     """GGML rows (uint8 [rows, row_bytes]) to f32 [rows, n] over the pool's workers; into `out`
@@ -395,5 +405,5 @@ from .moe import MoEKernel, ExpertMatrix, repack_r16, run_chain, r16_dequant, r1
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "Probe", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
-           "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes", "run_chain",
+           "linear_grouped_from", "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes", "run_chain",
            "usable_isas"]

@@ -5,11 +5,13 @@ BF16, F16, F32) is kept as the file stores it (memory-mapped, no copy); float we
 safetensors model, or the few dense tensors a GGUF reader rebuilds) keep their float type by
 default (`quant: auto`, exact) or are converted at load (`quant: q8_0`, ...).
 
-Up to `gemv_max_tokens` tokens (decode, short prompts) the native multi-row dot products run
-over the CPU experts' thread pool: each 64-row chunk of the weight is read once, in its
-quantized form, for all the tokens, as llama.cpp does on the CPU; while that pool is busy with
-the routed experts (the `moe` operator runs the shared experts meanwhile) the calling thread
-computes alone. Longer inputs dequantize the rows in chunks of `chunk_mb` and multiply with
+Up to `gemv_max_tokens` tokens (decode, prompts) the native kernels run over the CPU experts'
+thread pool: each 64-row chunk of the weight is read once, in its quantized form, for all the
+tokens, as llama.cpp does on the CPU, with multi-row dot products per token below 16 tokens and,
+from 16 tokens on for the types the 8-bit grouped kernels take (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K,
+IQ4_XS on AVX-512; fewer on AVX2), the MoE layer's grouped 8-bit GEMM (tokens packed in panels
+of 16); while that pool is busy with the routed experts (the `moe` operator runs the shared
+experts meanwhile) the calling thread computes alone. Longer inputs dequantize the rows in chunks of `chunk_mb` and multiply with
 torch (float weights: the dots only up to 8 tokens, where they beat torch's own kernels), in
 bfloat16 where the CPU multiplies it natively (AMX-BF16 or AVX512-BF16: `prefill_dtype: auto`),
 else in float32. The maths is `y = x W^T + b` with W the dequantized weight; on the dot path the
@@ -41,10 +43,12 @@ QUANTS = {q: (NATIVE_TYPES[q], {**CONVERT_BITS, "f16": 16.0}[q])
 _FLOAT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _ELEMENT = {NATIVE_TYPES[name]: dtype for dtype, name in _FLOAT.items()}   # GGML float types -> torch dtype
 ELEMENT_GEMV_MAX = 8        # float weights: the native dots beat torch only up to here (2 AVX2 cores)
-# gemv_max_tokens when not set: where dequantize + torch's GEMM overtakes the dots (measured with
-# scripts/cpu_linear_crossover.py on V2-Lite's dense shapes; docs/operators.md): about 128 tokens
-# with bf16 GEMMs (16-core Xeon with AMX, 2-core Zen 4), about 300 with float32 ones (2 AVX2 cores)
-GEMV_MAX_BF16, GEMV_MAX_F32 = 128, 256
+# gemv_max_tokens when not set: where dequantize + torch's GEMM overtakes the native kernels (measured
+# with scripts/cpu_linear_crossover.py on V2-Lite's dense shapes; docs/operators.md). The per-token
+# dots: about 128 tokens with bf16 GEMMs (16-core Xeon with AMX, 2-core Zen 4), about 300 with
+# float32 ones (2 AVX2 cores). The grouped 8-bit GEMM: past 1024 tokens on the Zen 4 (0.3-0.8x the
+# bf16 path's time at 256-1024); on the Xeon not yet measured.
+GEMV_MAX_BF16, GEMV_MAX_F32, GEMV_MAX_GROUPED = 128, 256, 1024
 PREFILL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SCRATCH = threading.local()  # one dequantization buffer per thread, shared by the layers
 
@@ -64,7 +68,8 @@ class CpuLinearOptions:
                                  # type (exact); q8_0, q4_k, q6_k, bf16, f16, f32 convert at load
     threads: int = 0             # the native pool (0: all CPUs; the CPU experts' pool of the same size)
     gemv_max_tokens: Optional[int] = None   # above: dequantize in chunks and multiply with torch (None:
-                                 # 128 where that multiplies in bfloat16, else 256)
+                                 # 1024 where the grouped 8-bit GEMM takes the type, else 128 where
+                                 # torch multiplies in bfloat16, 256 in float32)
     chunk_mb: int = 64           # float32 megabytes dequantized at a time on that path
     prefill_dtype: str = "auto"  # that path's GEMM: bfloat16, float32, or auto (bfloat16 where the CPU
                                  # has AMX-BF16 or AVX512-BF16, unless the weight is float32 / float16)
@@ -77,10 +82,11 @@ class CpuLinearOptions:
         if self.prefill_dtype != "auto" and self.prefill_dtype not in PREFILL_DTYPES:
             raise ValueError(f"prefill_dtype must be auto, {' or '.join(PREFILL_DTYPES)}, got {self.prefill_dtype!r}")
 
-    def resolved(self, element: Optional[torch.dtype] = None) -> tuple[int, torch.dtype]:
+    def resolved(self, element: Optional[torch.dtype] = None, grouped: bool = False) -> tuple[int, torch.dtype]:
         """(gemv_max_tokens, the prefill GEMM's dtype) with `auto` / None decided for this CPU and a
         weight whose rows are GGML blocks (element None) or floats of `element`: float32 and float16
-        weights keep float32 (their precision was asked for), blocks and bfloat16 rows take bfloat16."""
+        weights keep float32 (their precision was asked for), blocks and bfloat16 rows take bfloat16.
+        grouped: the native grouped 8-bit GEMM takes the weight's type (`native.linear_grouped_from`)."""
         name = self.prefill_dtype
         if name == "auto":
             exact = element in (torch.float32, torch.float16)
@@ -88,7 +94,7 @@ class CpuLinearOptions:
         dtype = PREFILL_DTYPES[name]
         limit = self.gemv_max_tokens
         if limit is None:
-            limit = GEMV_MAX_BF16 if dtype == torch.bfloat16 else GEMV_MAX_F32
+            limit = GEMV_MAX_GROUPED if grouped else GEMV_MAX_BF16 if dtype == torch.bfloat16 else GEMV_MAX_F32
         return limit, dtype
 
 
@@ -171,7 +177,8 @@ class CpuLinear(Operator):
         self._isa = native.isa_index()                    # resolved once: forward runs per token
         element = _ELEMENT.get(self.ggml_type)
         self._element = element
-        limit, self._mm_dtype = self.options.resolved(element)
+        limit, self._mm_dtype = self.options.resolved(
+            element, grouped=element is None and native.linear_grouped_from(self.ggml_type, self._isa) > 0)
         self._gemv_limit = min(limit, ELEMENT_GEMV_MAX) if element is not None else limit
         return keys
 
