@@ -58,6 +58,7 @@ def test_native_linear_grouped_gemm_from_16_tokens(qt, T, monkeypatch):
 
 
 def test_grouped_linear_types():
+    """Which types take the grouped GEMM on each path, as `ktinject doctor` reports it."""
     from ktinject.native import ISAS
     usable = native.usable_isas()
     for name in ("avx2", "avx512"):
@@ -66,6 +67,10 @@ def test_grouped_linear_types():
             assert native.linear_grouped_from(int(QT.Q4_K), isa) == 16
             assert native.linear_grouped_from(int(QT.BF16), isa) == 0
     assert native.linear_grouped_from(int(QT.Q4_K), ISAS.index("scalar")) == 0
+    assert native.linear_path("scalar") == "dots"                       # what `ktinject doctor` prints
+    if "avx2" in usable:
+        assert native.linear_path("avx2") == "8-bit grouped GEMM from 16 tokens (Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), dots otherwise"
+    assert "linear_prefill" in native.describe()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -136,6 +136,8 @@ def describe() -> dict:
            "forced_by": ENV_ISA if os.environ.get(ENV_ISA) else None}
     if running is not None:     # how the grouped (prefill) path multiplies here (docs/native.md)
         out["grouped"] = grouped_path(running)
+    if running is not None:     # how cpu_linear's prompts multiply here (docs/operators.md)
+        out["linear_prefill"] = linear_path(running)
     if running is not None:     # what repack: auto does on this path (docs/native.md, R16)
         from .moe import AUTO_TYPES, R16_TYPES, repack_mode
         mode = repack_mode(ISAS.index(running), None)
@@ -158,6 +160,16 @@ def grouped_path(isa_name: str) -> str:
     mask = int(lib.ktk_grouped_int8_types(isa_index(isa_name)))
     names = [QT(t).name for t in range(32) if mask >> t & 1]
     return f"8-bit integers ({', '.join(names)}), f32 for other types" if names else "f32"
+
+
+def linear_path(isa_name: str) -> str:
+    """How `linear` (cpu_linear) multiplies prompts on an ISA path: the grouped 8-bit GEMM from N
+    tokens for the listed GGML types, the per-token dots otherwise."""
+    from gguf import GGMLQuantizationType as QT
+    lib, _ = load()
+    mask, start = int(lib.ktk_linear_grouped_types(isa_index(isa_name))), int(lib.ktk_linear_grouped_min())
+    names = [QT(t).name for t in range(32) if mask >> t & 1]
+    return f"8-bit grouped GEMM from {start} tokens ({', '.join(names)}), dots otherwise" if names else "dots"
 
 
 ENV_CLAIM = "KTINJECT_POOL_CLAIM"
@@ -405,5 +417,5 @@ from .moe import MoEKernel, ExpertMatrix, repack_r16, run_chain, r16_dequant, r1
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "Probe", "available", "check", "default_pool", "describe",
            "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
-           "linear_grouped_from", "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes", "run_chain",
+           "linear_grouped_from", "linear_path", "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes", "run_chain",
            "usable_isas"]
