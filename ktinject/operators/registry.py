@@ -31,6 +31,7 @@ BUILTIN_MODULES = (
     "ktinject.operators.linear",
     "ktinject.operators.experts",
     "ktinject.operators.cpu_experts",
+    "ktinject.operators.cpu_embedding",
     "ktinject.operators.cpu_linear",
     "ktinject.operators.moe",
     "ktinject.operators.linear_int4",

@@ -1,0 +1,110 @@
+"""`cpu_embedding`: a token-embedding table on the CPU whose rows stay in GGML blocks.
+
+transformers' `nn.Embedding` holds the table dense: DeepSeek-V2-Lite's 102400 x 2048 is 839 MB in
+float32 (V3's 129280 x 7168: 3.7 GB) where the GGUF file stores 118 MB of Q4_K (Q4_K_M), and the
+load dequantizes all of it (2.9 s on two cores of the development machine). This operator keeps
+the file's rows as they are (memory-mapped, no copy) and dequantizes only the rows of the tokens
+it is given, with the native kernels: `y[i] = dequant(row ids[i])`, as nn.Embedding would return
+from the dequantized table (to the native dequantization's rounding, within 1e-6 of gguf's). Float
+weights from safetensors, and GGUF types the native kernels cannot read, are kept dense in the
+model's dtype and looked up by torch. Token ids outside the table raise an error naming the id and the
+table size, where nn.Embedding would raise an index error from deep inside torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import LoadError
+from .base import BuildContext, Operator
+from .cpu_experts import NATIVE_TYPES
+from .registry import register
+
+@dataclass(frozen=True)
+class CpuEmbeddingOptions:
+    threads: int = 0      # the native pool that dequantizes looked-up rows (0: all CPUs, the CPU experts' pool)
+
+    def __post_init__(self):
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0")
+
+
+@register("cpu_embedding")
+class CpuEmbedding(Operator):
+    Options = CpuEmbeddingOptions
+    replaces = ("Embedding",)
+    device_types = ("cpu",)
+    summary = "token embeddings on the CPU with GGML-block rows (as the GGUF stores them), dequantized per looked-up token"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, options: CpuEmbeddingOptions, name: str,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.options, self.name = num_embeddings, embedding_dim, options, name
+        self.dtype = dtype
+        self.ggml_type = -1
+        self._pool = None
+        # (one of the two holds the table after load; the other stays empty, not on meta)
+        self.register_buffer("qweight", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_buffer("dense", torch.empty(0), persistent=False)
+
+    @classmethod
+    def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
+        dtype = ctx.dtype or original.weight.dtype
+        return cls(original.num_embeddings, original.embedding_dim, ctx.options or CpuEmbeddingOptions(), ctx.name,
+                   dtype if dtype.is_floating_point else torch.float32)
+
+    @classmethod
+    def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
+        """The plan cannot see the file's tensor type: it counts the dense size, an upper bound
+        (a GGUF table kept in Q4_K blocks is 7x smaller than float32)."""
+        dtype = ctx.dtype or original.weight.dtype
+        return {"cpu": original.weight.numel() * dtype.itemsize}
+
+    def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
+        from .. import native
+        from ..weights.tensor import GGMLTensor, as_dense, logical_shape
+        key = prefix + "weight"
+        if key not in source:
+            raise LoadError("tensor not found in the weights", missing=[key])
+        t = source[key]
+        want = (self.num_embeddings, self.embedding_dim)
+        if tuple(logical_shape(t)) != want:
+            raise LoadError("tensor shape differs from the model",
+                            mismatched=[f"{key} (file {list(logical_shape(t))}, model {list(want)})"])
+        if isinstance(t, GGMLTensor) and int(t.ggml_type) in NATIVE_TYPES.values() and native.available():
+            data = t.data.reshape(self.num_embeddings, -1)
+            if data.shape[1] != native.row_bytes_or_none(int(t.ggml_type), self.embedding_dim):
+                raise LoadError("tensor rows do not hold whole blocks of their type",
+                                mismatched=[f"{key} ({self.embedding_dim} values per row, {data.shape[1]} bytes)"])
+            self.ggml_type = int(t.ggml_type)
+            self.qweight = data if data.is_contiguous() else data.contiguous()
+            self._pool = native.default_pool(self.options.threads)
+        else:                             # float rows, or blocks the kernels cannot read: a dense table
+            self.dense = as_dense(t).to(torch.device("cpu"), self.dtype).reshape(want).contiguous()
+        return {key}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from .. import native
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"{self.name or 'cpu_embedding'}: token ids of dtype {ids.dtype}, expected an integer type")
+        flat = ids.reshape(-1).to("cpu", torch.int64)
+        if flat.numel():
+            lo, hi = int(flat.min()), int(flat.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"{self.name or 'cpu_embedding'}: token id {bad} is outside the table of "
+                                 f"{self.num_embeddings} rows")
+        if self.ggml_type < 0:
+            out = self.dense.index_select(0, flat)
+        else:
+            rows = self.qweight.index_select(0, flat)
+            out = native.dequant_rows(self._pool, self.ggml_type, rows, self.embedding_dim).to(self.dtype)
+        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def extra_repr(self) -> str:
+        from gguf import GGMLQuantizationType as QT
+        kind = QT(self.ggml_type).name if self.ggml_type >= 0 else str(self.dtype).replace("torch.", "")
+        return f"op=cpu_embedding, rows={self.num_embeddings}, dim={self.embedding_dim}, weight={kind}"
