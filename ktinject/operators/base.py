@@ -80,5 +80,28 @@ class Operator(nn.Module):
         return f"op={self.op_name}"
 
 
+def source_weight(source: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> Any:
+    """`source[key]`, checked to exist and to have the model's `shape` (LoadError naming the key)."""
+    from ..errors import LoadError
+    from ..weights.tensor import logical_shape
+    if key not in source:
+        raise LoadError("tensor not found in the weights", missing=[key])
+    t = source[key]
+    if tuple(logical_shape(t)) != tuple(shape):
+        raise LoadError("tensor shape differs from the model",
+                        mismatched=[f"{key} (file {list(logical_shape(t))}, model {list(shape)})"])
+    return t
+
+
+def whole_block_rows(data: torch.Tensor, ggml_type: int, n: int, key: str) -> torch.Tensor:
+    """GGML rows (uint8 [rows, bytes]) checked to hold whole blocks of n values, made contiguous."""
+    from .. import native
+    from ..errors import LoadError
+    if data.shape[1] != native.row_bytes_or_none(ggml_type, n):
+        raise LoadError("tensor rows do not hold whole blocks of their type",
+                        mismatched=[f"{key} ({n} values per row, {data.shape[1]} bytes)"])
+    return data if data.is_contiguous() else data.contiguous()
+
+
 def options_fields(options_cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(options_cls)}

@@ -18,8 +18,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import LoadError
-from .base import BuildContext, Operator
+from .base import BuildContext, Operator, source_weight, whole_block_rows
 from .cpu_experts import NATIVE_TYPES
 from .registry import register
 
@@ -65,22 +64,14 @@ class CpuEmbedding(Operator):
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
         from .. import native
-        from ..weights.tensor import GGMLTensor, as_dense, logical_shape
+        from ..weights.tensor import GGMLTensor, as_dense
         key = prefix + "weight"
-        if key not in source:
-            raise LoadError("tensor not found in the weights", missing=[key])
-        t = source[key]
         want = (self.num_embeddings, self.embedding_dim)
-        if tuple(logical_shape(t)) != want:
-            raise LoadError("tensor shape differs from the model",
-                            mismatched=[f"{key} (file {list(logical_shape(t))}, model {list(want)})"])
+        t = source_weight(source, key, want)
         if isinstance(t, GGMLTensor) and int(t.ggml_type) in NATIVE_TYPES.values() and native.available():
-            data = t.data.reshape(self.num_embeddings, -1)
-            if data.shape[1] != native.row_bytes_or_none(int(t.ggml_type), self.embedding_dim):
-                raise LoadError("tensor rows do not hold whole blocks of their type",
-                                mismatched=[f"{key} ({self.embedding_dim} values per row, {data.shape[1]} bytes)"])
+            self.qweight = whole_block_rows(t.data.reshape(self.num_embeddings, -1), int(t.ggml_type),
+                                            self.embedding_dim, key)
             self.ggml_type = int(t.ggml_type)
-            self.qweight = data if data.is_contiguous() else data.contiguous()
             self._pool = native.default_pool(self.options.threads)
         else:                             # float rows, or blocks the kernels cannot read: a dense table
             self.dense = as_dense(t).to(torch.device("cpu"), self.dtype).reshape(want).contiguous()

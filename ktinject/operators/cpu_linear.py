@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
-from .base import BuildContext, Operator
+from .base import BuildContext, Operator, source_weight, whole_block_rows
 from .cpu_experts import CONVERT_BITS, NATIVE_TYPES
 from .registry import register
 
@@ -103,7 +103,7 @@ class CpuLinear(Operator):
     Options = CpuLinearOptions
     replaces = ("Linear",)
     device_types = ("cpu",)
-    summary = "linear on the CPU with GGML-block weights (as the GGUF stores them), native multi-row dots"
+    summary = "linear on the CPU with GGML-block weights (as the GGUF stores them): native dots, grouped 8-bit GEMM for prompts"
     # decode: the native pool does the work; torch's OpenMP threads spinning between the small
     # ops left would take its workers' cores (2 cores, V2-Lite: 16.5 -> 24.0 tok/s)
     decode_torch_threads = 1
@@ -135,15 +135,9 @@ class CpuLinear(Operator):
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
         from .. import native
         from ..weights.kquant import quantize_rows
-        from ..weights.tensor import GGMLTensor, as_dense, logical_shape
+        from ..weights.tensor import GGMLTensor, as_dense
         key = prefix + "weight"
-        if key not in source:
-            raise LoadError("tensor not found in the weights", missing=[key])
-        t = source[key]
-        want = (self.out_features, self.in_features)
-        if tuple(logical_shape(t)) != want:
-            raise LoadError("tensor shape differs from the model",
-                            mismatched=[f"{key} (file {list(logical_shape(t))}, model {list(want)})"])
+        t = source_weight(source, key, (self.out_features, self.in_features))
         if isinstance(t, GGMLTensor) and t.ggml_type in NATIVE_TYPES.values():
             self.ggml_type, data = int(t.ggml_type), t.data.reshape(self.out_features, -1)
         else:
@@ -164,10 +158,7 @@ class CpuLinear(Operator):
                 data = quantize_rows(dense, QT(self.ggml_type))
             except ValueError as exc:          # NaN / Inf, or past the type's fp16 block scale
                 raise LoadError(f"{key}: cannot be stored as {quant}: {exc}") from None
-        if data.shape[1] != native.row_bytes_or_none(self.ggml_type, self.in_features):
-            raise LoadError("tensor rows do not hold whole blocks of their type",
-                            mismatched=[f"{key} ({self.in_features} values per row, {data.shape[1]} bytes)"])
-        self.qweight = data if data.is_contiguous() else data.contiguous()
+        self.qweight = whole_block_rows(data, self.ggml_type, self.in_features, key)
         keys = {key}
         if self.has_bias:
             from ..load import fetch_dense
