@@ -3,6 +3,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
 #include "ktk_int.h"
+#include "transpose.h"
 
 #define SFX(name) name##_avx512
 #define DOTI(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
