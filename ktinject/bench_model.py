@@ -72,7 +72,8 @@ def cpu_expert_bytes_per_token(model) -> tuple[int, int]:
 def dense_bytes_per_token(model, device_type: str) -> int:
     """Bytes of ordinary parameters and buffers on `device_type` (read once per decode token); the
     input embedding is left out (a token reads one row of it)."""
-    skip = {id(p) for p in model.get_input_embeddings().parameters()}
+    emb = model.get_input_embeddings()
+    skip = {id(t) for t in [*emb.parameters(), *emb.buffers()]}   # (cpu_embedding keeps its table in buffers)
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.device.type == device_type and id(t) not in skip and t.data_ptr() not in seen:

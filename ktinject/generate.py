@@ -108,7 +108,7 @@ def sample_next(logits: torch.Tensor, history: torch.Tensor, opts: SamplingOptio
 # ---- model plumbing -------------------------------------------------------------------------
 def _input_device(model) -> torch.device:
     emb = model.get_input_embeddings()
-    for p in emb.parameters():
+    for p in [*emb.parameters(), *emb.buffers()]:   # (cpu_embedding holds its table in buffers)
         return p.device
     return torch.device("cpu")
 
@@ -130,7 +130,7 @@ def _phase(name: str):
 def _host_embedding(model, device: torch.device) -> Optional[torch.nn.Module]:
     """The input embedding when it lives off `device` (the graph then takes inputs_embeds)."""
     emb = model.get_input_embeddings()
-    devs = {p.device for p in emb.parameters()}
+    devs = {p.device for p in [*emb.parameters(), *emb.buffers()]}
     return emb if devs and devs != {device} else None
 
 

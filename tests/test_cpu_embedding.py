@@ -70,6 +70,16 @@ def test_float_weights_and_load_errors():
         CpuEmbeddingOptions(threads=-1)
 
 
+def test_max_norm_is_refused():
+    from ktinject.errors import ModelError
+    from ktinject.operators.base import BuildContext
+    cpu = torch.device("cpu")
+    ctx = BuildContext("model.embed_tokens", cpu, cpu, cpu, None, None, CpuEmbeddingOptions())
+    with pytest.raises(ModelError, match=r"model\.embed_tokens: cpu_embedding does not renormalize rows \(max_norm=1\.0\)"):
+        CpuEmbedding.build(torch.nn.Embedding(10, 8, max_norm=1.0), ctx)
+    assert isinstance(CpuEmbedding.build(torch.nn.Embedding(10, 8), ctx), CpuEmbedding)
+
+
 def test_overlay_keeps_the_gguf_table(tmp_path):
     """`cpu-linear` on a GGUF: the embedding is cpu_embedding over the file's own rows, and the
     model's outputs are those of the dense table's lookup."""
@@ -88,3 +98,10 @@ def test_overlay_keeps_the_gguf_table(tmp_path):
     dense = stored.dequantize(torch.float32)
     assert torch.allclose(emb(ids), dense[ids], rtol=0, atol=1e-6 * float(dense.abs().max()))
     src.close()
+    # the bench's bytes per decoded token leave the table out (a token reads one row of it)
+    from ktinject.bench_model import dense_bytes_per_token
+    from ktinject.generate import _host_embedding, _input_device
+    everything = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                     if t.device.type == "cpu")
+    assert dense_bytes_per_token(model, "cpu") <= everything - emb.qweight.numel()
+    assert _input_device(model) == torch.device("cpu") and _host_embedding(model, torch.device("cpu")) is None

@@ -51,6 +51,10 @@ class CpuEmbedding(Operator):
 
     @classmethod
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
+        if getattr(original, "max_norm", None) is not None:   # (no family here uses it: refused, not ignored)
+            from ..errors import ModelError
+            raise ModelError(f"{ctx.name}: cpu_embedding does not renormalize rows (max_norm="
+                             f"{original.max_norm}); keep this embedding as it is")
         dtype = ctx.dtype or original.weight.dtype
         return cls(original.num_embeddings, original.embedding_dim, ctx.options or CpuEmbeddingOptions(), ctx.name,
                    dtype if dtype.is_floating_point else torch.float32)
