@@ -161,7 +161,8 @@ int ktk_linear(ktk_pool *p, int isa, int type, const uint8_t *w, int64_t row_byt
     if (rc) return rc;
     if (T < 0 || (T && (!x || !y))) return KTK_EINVAL;
     if (!T || !rows) return KTK_OK;
-    lin_ctx c = {K, type, w, row_bytes, rows, n, n - n % QK, T, x, y, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, 0};
+    lin_ctx c = {.K = K, .type = type, .w = w, .rb = row_bytes, .rows = rows, .n = n, .nq = n - n % QK, .T = T,
+                 .x = x, .y = y};
     /* float rows (F32, F16, BF16) are dotted with the floats themselves: no activation records
      * (and a row may be shorter than one 32-value block) */
     const int quantized = type != KTK_F32 && type != KTK_F16 && type != KTK_BF16;

@@ -619,10 +619,10 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);
      * fewer where that would leave less than 4 claims a worker; decode unchanged */
-    int64_t gu = m->amx && m->maxcnt > 0 ? m->gu_claim : 0;
+    int64_t gu = m->amx && m->maxcnt > 0 ? m->gu_claim : 0;   /* 0: the pool's own */
     const int64_t per = items[1] / (4 * (int64_t)ktk_pool_threads(p));
     if (gu > per) gu = per > 1 ? per : 1;
-    const int64_t claims[4] = {0, m->amx && m->maxcnt > 0 && m->gu_claim ? gu : 0, 0, 0};
+    const int64_t claims[4] = {0, gu, 0, 0};
     int rc = ktk_pool_run_async_claims(p, moe_item, m, 4, items, claims);
     if (rc == KTK_OK) m->busy = 1;
     return rc;

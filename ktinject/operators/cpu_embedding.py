@@ -12,6 +12,7 @@ table size, where nn.Embedding would raise an index error from deep inside torch
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,6 +22,9 @@ from torch import nn
 from .base import BuildContext, Operator, source_weight, whole_block_rows
 from .cpu_experts import NATIVE_TYPES
 from .registry import register
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class CpuEmbeddingOptions:
@@ -78,6 +82,9 @@ class CpuEmbedding(Operator):
             self.ggml_type = int(t.ggml_type)
             self._pool = native.default_pool(self.options.threads)
         else:                             # float rows, or blocks the kernels cannot read: a dense table
+            if isinstance(t, GGMLTensor):
+                log.info("%s: %s table kept dense in %s (%s)", key, t.type_name, self.dtype,
+                         "no native library" if not native.available() else "a type the native kernels do not read")
             self.dense = as_dense(t).to(torch.device("cpu"), self.dtype).reshape(want).contiguous()
         return {key}
 
