@@ -57,6 +57,17 @@ int ktk_cpu_features(void) {
 }
 
 int ktk_amx_permission(void) { ktk_cpu_features(); return g_amx_perm; }
+
+int ktk_cpu_vendor(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return KTK_VENDOR_OTHER;
+    char v[13];
+    memcpy(v, &b, 4); memcpy(v + 4, &d, 4); memcpy(v + 8, &c, 4);
+    v[12] = 0;
+    if (!strcmp(v, "GenuineIntel")) return KTK_VENDOR_INTEL;
+    if (!strcmp(v, "AuthenticAMD") || !strcmp(v, "HygonGenuine")) return KTK_VENDOR_AMD;
+    return KTK_VENDOR_OTHER;
+}
 int ktk_amx_usable(void) { return (ktk_cpu_features() >> KTK_ISA_AMX) & 1; }
 int ktk_amx_int8_usable(void) { return ktk_amx_usable() && g_amx_int8; }
 

@@ -40,6 +40,10 @@ int ktk_cpu_features(void);              /* bit i set: ISA i usable on this CPU 
 int ktk_compiled_isas(void);             /* bit i set: ISA i compiled into this library */
 int ktk_best_isa(void);
 int ktk_amx_permission(void);            /* 1 when Linux granted AMX tile state */
+#define KTK_VENDOR_OTHER 0
+#define KTK_VENDOR_INTEL 1
+#define KTK_VENDOR_AMD 2   /* AuthenticAMD, or HygonGenuine (Zen cores) */
+int ktk_cpu_vendor(void);                /* from cpuid leaf 0 */
 /* bit t set: the grouped (prefill) path of ISA `isa` multiplies GGML type t in 8-bit integers
  * (0 for scalar, AMX, an unusable ISA, or with $KTINJECT_VNNI_GROUPED=0 or $KTINJECT_PACKED_F32=0;
  * moe.c reads the same) */
@@ -129,6 +133,10 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
                    int64_t rows, int64_t n, uint8_t *dst);
 int ktk_r16_dequant(int type, const uint8_t *w, int64_t rows, int64_t n, float *dst);
 int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, int64_t T, const float *x, float *y);
+/* how the R16 decode kernels read memory here: the software prefetch distance in bytes (0: none) and
+ * the segments read side by side per (group, token) pair; the defaults depend on the CPU's vendor
+ * (docs/native.md), $KTINJECT_R16_PF / $KTINJECT_R16_SPLIT override them (read once) */
+void ktk_r16_stream(int *pf_bytes, int *split);
 
 /* ---- I8 copies (i8.c): expert matrices requantized at load to int8 per row and group of G values,
  * tile-major, for the AMX-INT8 prefill path (layout in i8.c). G: a multiple of 64 that divides n,

@@ -294,9 +294,9 @@ static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *c
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 
-static int g_pf = -1;   /* prefetch distance in bytes ($KTINJECT_R16_PF, default 1024; 0: none) */
+static int g_pf = -1;   /* prefetch distance in bytes ($KTINJECT_R16_PF; 0: none; default: r16_defaults) */
 #define KTK_R16_SPLIT 4
-static int g_split = 2; /* segments per pair ($KTINJECT_R16_SPLIT, 1..KTK_R16_SPLIT) */
+static int g_split = 2; /* segments per pair ($KTINJECT_R16_SPLIT, 1..KTK_R16_SPLIT; default: r16_defaults) */
 
 AVX512_INLINE __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -438,14 +438,39 @@ R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, ktk_act_k(xq[p], n) + bi)
 
 /* The knobs, read once from the environment (by ktk_moe_new and ktk_r16_gemv, before any worker
  * runs a kernel: the workers only read them). */
+/* Defaults by vendor, as measured: on the lent Xeon (Sapphire Rapids) 1 KiB of prefetch and two
+ * segments per pair read fastest (seventh session); on a Zen 4 any software prefetch made the
+ * layers slower and one segment read fastest: Q8_0 at one thread 15 -> 25 GB/s, Q5_0's down phase
+ * 1.6x (twenty-fifth session, docs/benchmarks.md). Other vendors get Intel's. */
+static void r16_defaults(int *pf, int *split) {
+    const int amd = ktk_cpu_vendor() == KTK_VENDOR_AMD;
+    *pf = amd ? 0 : 1024;
+    *split = amd ? 1 : 2;
+}
+
+/* $name as a whole decimal number in [lo, hi], else dflt (unset, empty, other text or out of range) */
+static int env_int(const char *name, int lo, int hi, int dflt) {
+    const char *s = getenv(name);
+    if (!s) return dflt;
+    while (*s == ' ') s++;
+    char *end;
+    long v = strtol(s, &end, 10);
+    while (*end == ' ') end++;
+    return end == s || *end || v < lo || v > hi ? dflt : (int)v;
+}
+
 void ktk_r16_init(void) {
     if (g_pf >= 0) return;
-    const char *s = getenv("KTINJECT_R16_SPLIT");
-    int v = s ? atoi(s) : 2;
-    g_split = v < 1 || v > KTK_R16_SPLIT ? 2 : v;
-    s = getenv("KTINJECT_R16_PF");
-    v = s ? atoi(s) : 1024;
-    g_pf = v < 0 || v > 65536 ? 1024 : v;
+    int pf, split;
+    r16_defaults(&pf, &split);
+    g_split = env_int("KTINJECT_R16_SPLIT", 1, KTK_R16_SPLIT, split);
+    g_pf = env_int("KTINJECT_R16_PF", 0, 65536, pf);
+}
+
+void ktk_r16_stream(int *pf_bytes, int *split) {
+    ktk_r16_init();
+    if (pf_bytes) *pf_bytes = g_pf;
+    if (split) *split = g_split;
 }
 
 /* The kernels take KTK_ISA_AVX512 / AMX (VNNI is part of ktinject's AVX-512 path), scalar otherwise. */

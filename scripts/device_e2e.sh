@@ -116,10 +116,10 @@ print('$model $env $*', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode',
     done
   done
 fi
-if [[ $steps == *" r16 "* ]]; then   # R16 repacked experts vs GGUF rows, alternating (KTINJECT_REPACK), R16_ROUNDS rounds
+if [[ $steps == *" r16 "* ]]; then   # R16 repacked experts vs GGUF rows, alternating (KTINJECT_REPACK: R16_MODES, default "0 1"), R16_ROUNDS rounds
   python3 native/bench_dots.py --rows 256 --quant q4_k,q5_0,q8_0 --isa avx512 2>&1 | tee "$OUT/r16_dots.txt"
   for i in $(seq ${R16_ROUNDS:-2}); do
-    for rp in 0 1; do
+    for rp in ${R16_MODES:-0 1}; do
       KTINJECT_REPACK=$rp timeout -s KILL 150 python3 -m ktinject bench experts --quant ${R16_QUANTS:-q4_k,q8_0} --batch 1 \
         --threads ${R16_THREADS:-16,15} --gib 3 --probe-gib 2 --seconds 2 --json 2>&1 | python3 -c "import sys, json
 for l in sys.stdin:

@@ -183,6 +183,59 @@ def test_repack_mode(monkeypatch):
     assert [nmoe.repack_mode(scalar, r) for r in (None, False)] == ["on", "off"]
 
 
+_STREAM_CHILD = """
+import json, torch
+from gguf import GGMLQuantizationType as QT
+from ktinject import native
+from test_native_util import rand_rows
+out = {"stream": native.r16_stream(), "y": {}}
+for qt, n in ((QT.Q4_K, 1024), (QT.Q5_0, 256), (QT.Q8_0, 256), (QT.Q6_K, 1024)):
+    w = rand_rows(qt, 32, n, seed=9)
+    r = native.repack_r16(native.ExpertMatrix(int(qt), w, 1, 32, n))
+    torch.manual_seed(1)
+    out["y"][qt.name] = native.r16_gemv(int(qt), r.data, n, torch.randn(2, n), "avx512").tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="the R16 SIMD kernels need the AVX-512 path")
+def test_r16_stream_defaults_and_overrides():
+    """How the R16 kernels read memory: defaults by vendor (AMD: no software prefetch, one segment;
+    others: 1 KiB, two), $KTINJECT_R16_PF / $KTINJECT_R16_SPLIT override them (out-of-range values
+    fall back to the defaults), and every setting gives the same dots (segment sums added in another
+    order: 1e-5). Each setting is read once per process, hence the subprocesses."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vendor = next((line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("vendor_id")), "")
+    amd = vendor in ("AuthenticAMD", "HygonGenuine")
+    default = ("no software prefetch, 1 segment a pair (the AMD defaults)" if amd
+               else "prefetch 1024 B ahead, 2 segments a pair (the Intel defaults)" if vendor == "GenuineIntel"
+               else "prefetch 1024 B ahead, 2 segments a pair (the default defaults)")
+    here = Path(__file__).parent
+    runs = {}
+    for cfg in ({}, {"KTINJECT_R16_PF": "512", "KTINJECT_R16_SPLIT": "4"},
+                {"KTINJECT_R16_PF": "0", "KTINJECT_R16_SPLIT": "2"}, {"KTINJECT_R16_SPLIT": "9"}):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KTINJECT_R16_")}
+        env.update(cfg, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")]))
+        res = subprocess.run([sys.executable, "-c", _STREAM_CHILD], env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[tuple(cfg.items())] = json.loads(res.stdout.strip().splitlines()[-1])
+    streams = [r["stream"] for r in runs.values()]
+    assert streams[0] == default
+    assert streams[1] == "prefetch 512 B ahead, 4 segments a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)"
+    assert streams[2] == "no software prefetch, 2 segments a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)"
+    assert streams[3] == default.split(" (")[0] + " (set by $KTINJECT_R16_SPLIT='9' ignored: not 1-4)"
+    base = runs[()]["y"]
+    for r in runs.values():
+        for name, y in r["y"].items():
+            assert torch.allclose(torch.tensor(y), torch.tensor(base[name]), rtol=1e-5, atol=1e-5), name
+
+
 def test_cpu_experts_repack_option():
     """The operator's `repack` option: auto / on / off (YAML's bare on / off arrive as booleans),
     the GGUF rows kept for the grouped path, and `extra_repr` naming the repacked matrices."""

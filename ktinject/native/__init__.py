@@ -143,9 +143,33 @@ def describe() -> dict:
         mode = repack_mode(ISAS.index(running), None)
         out["r16_repack"] = mode if mode == "off" else \
             f"{mode} ({', '.join(R16_TYPES[t] for t in (AUTO_TYPES if mode == 'auto' else R16_TYPES))})"
+        if mode != "off":
+            out["r16_stream"] = r16_stream()
     if err:
         out["error"] = err
     return out
+
+
+VENDORS = {1: "Intel", 2: "AMD"}
+
+
+def r16_stream() -> str:
+    """How the R16 decode kernels read memory here: their software prefetch distance and segments per
+    (group, token) pair, defaults by CPU vendor unless $KTINJECT_R16_PF / $KTINJECT_R16_SPLIT set them
+    (docs/native.md, R16)."""
+    lib, ffi = load()
+    pf, split = ffi.new("int *"), ffi.new("int *")
+    lib.ktk_r16_stream(pf, split)
+    notes = []
+    for k, lo, hi in (("KTINJECT_R16_PF", 0, 65536), ("KTINJECT_R16_SPLIT", 1, 4)):
+        v = os.environ.get(k)
+        if v is not None:   # as native/r16.c reads it: a whole decimal number in range, else the default
+            ok = v.strip().lstrip("+-").isdigit() and lo <= int(v) <= hi
+            notes.append(f"${k}" if ok else f"${k}={v!r} ignored: not {lo}-{hi}")
+    why = f"set by {' and '.join(notes)}" if notes else \
+        f"the {VENDORS.get(int(lib.ktk_cpu_vendor()), 'default')} defaults"
+    ahead = f"prefetch {pf[0]} B ahead" if pf[0] else "no software prefetch"
+    return f"{ahead}, {split[0]} segment{'s' if split[0] > 1 else ''} a pair ({why})"
 
 
 def grouped_path(isa_name: str) -> str:
