@@ -133,10 +133,11 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
                    int64_t rows, int64_t n, uint8_t *dst);
 int ktk_r16_dequant(int type, const uint8_t *w, int64_t rows, int64_t n, float *dst);
 int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, int64_t T, const float *x, float *y);
-/* how the R16 decode kernels read memory here: the software prefetch distance in bytes (0: none) and
- * the segments read side by side per (group, token) pair; the defaults depend on the CPU's vendor
- * (docs/native.md), $KTINJECT_R16_PF / $KTINJECT_R16_SPLIT override them (read once) */
-void ktk_r16_stream(int *pf_bytes, int *split);
+/* how the R16 decode kernels of GGML type `type` read memory here: the software prefetch distance
+ * in bytes (0: none), into L2 (1) or L1 (0), and the segments read side by side per (group, token)
+ * pair; the defaults depend on the CPU's vendor (docs/native.md), $KTINJECT_R16_PF,
+ * $KTINJECT_R16_PF_L2 and $KTINJECT_R16_SPLIT override them (read once). KTK_EINVAL: no R16 layout. */
+int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split);
 
 /* ---- I8 copies (i8.c): expert matrices requantized at load to int8 per row and group of G values,
  * tile-major, for the AMX-INT8 prefill path (layout in i8.c). G: a multiple of 64 that divides n,

@@ -294,9 +294,13 @@ static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *c
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 
-static int g_pf = -1;   /* prefetch distance in bytes ($KTINJECT_R16_PF; 0: none; default: r16_defaults) */
+/* How the kernels read memory (defaults: r16_defaults; read once by ktk_r16_init): */
+enum { PF_Q4K, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_TYPES };
+static int g_init = 0;
+static int g_pf[PF_TYPES];   /* software prefetch distance in bytes per type ($KTINJECT_R16_PF: all; 0: none) */
+static int g_l2 = 0;         /* 1: prefetch into L2 (prefetcht1), 0: into L1 ($KTINJECT_R16_PF_L2) */
 #define KTK_R16_SPLIT 4
-static int g_split = 2; /* segments per pair ($KTINJECT_R16_SPLIT, 1..KTK_R16_SPLIT; default: r16_defaults) */
+static int g_split = 2;      /* segments per pair ($KTINJECT_R16_SPLIT, 1..KTK_R16_SPLIT) */
 
 AVX512_INLINE __m512i bcast4(const int8_t *p) {
     int32_t v;
@@ -304,10 +308,13 @@ AVX512_INLINE __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-AVX512_INLINE void pf_block(const uint8_t *b, int gb) {
-    if (g_pf <= 0) return;
-    const uintptr_t a = (uintptr_t)b + (uintptr_t)g_pf;   /* past the group's end: harmless, never dereferenced */
-    for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)(a + (uintptr_t)o), _MM_HINT_T0);
+AVX512_INLINE void pf_block(const uint8_t *b, int gb, int pf) {
+    if (pf <= 0) return;
+    const uintptr_t a = (uintptr_t)b + (uintptr_t)pf;   /* past the group's end: harmless, never dereferenced */
+    if (g_l2)
+        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)(a + (uintptr_t)o), _MM_HINT_T1);
+    else
+        for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)(a + (uintptr_t)o), _MM_HINT_T0);
 }
 
 /* one block of one pair: the block's sum, weighted, added to acc (16 rows) */
@@ -409,11 +416,12 @@ AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
 
 /* Each pair's blocks are read as g_split segments side by side (block i of every segment, then
  * i + 1): more streams in flight per call; the segments' sums are added in order at the end. */
-#define R16_DRIVER(NAME, BLK, GB, BLOCK, ACT)                                                             \
+#define R16_DRIVER(NAME, BLK, GB, BLOCK, PFT, ACT)                                                        \
     AVX512_TARGET static void NAME(int P, const uint8_t *const *g, const ktk_q8 *const *xq, int64_t n, float *out) { \
         const int64_t nb = n / (BLOCK);                                                               \
         const int S = g_split > 1 && nb % g_split == 0 ? g_split : 1;                                 \
         const int64_t seg = nb / S;                                                                   \
+        const int pf = g_pf[PFT];                                                                     \
         __m512 acc[KTK_R16_P * KTK_R16_SPLIT];                                                        \
         for (int j = 0; j < P * S; j++) acc[j] = _mm512_setzero_ps();                                 \
         for (int64_t i = 0; i < seg; i++)                                                             \
@@ -421,7 +429,7 @@ AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
                 for (int s = 0; s < S; s++) {                                                         \
                     const int64_t bi = s * seg + i;                                                   \
                     const uint8_t *b = g[p] + bi * (GB);                                              \
-                    pf_block(b, GB);                                                                  \
+                    pf_block(b, GB, pf);                                                              \
                     acc[p * S + s] = BLK(b, ACT, acc[p * S + s]);                                     \
                 }                                                                                     \
         for (int p = 0; p < P; p++) {                                                                 \
@@ -430,21 +438,23 @@ AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
             _mm512_storeu_ps(out + 16 * p, t);                                                        \
         }                                                                                             \
     }
-R16_DRIVER(dot_q4k_avx512, r16_q4k, 2368, 256, ktk_act_k(xq[p], n) + bi)
-R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, xq[p] + bi)
-R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, xq[p] + bi)
-R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q4k_avx512, r16_q4k, 2368, 256, PF_Q4K, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, PF_Q5_0, xq[p] + bi)
+R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, PF_Q8_0, xq[p] + bi)
+R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
 #undef R16_DRIVER
 
 /* The knobs, read once from the environment (by ktk_moe_new and ktk_r16_gemv, before any worker
  * runs a kernel: the workers only read them). */
-/* Defaults by vendor, as measured: on the lent Xeon (Sapphire Rapids) 1 KiB of prefetch and two
- * segments per pair read fastest (seventh session); on a Zen 4 any software prefetch made the
- * layers slower and one segment read fastest: Q8_0 at one thread 15 -> 25 GB/s, Q5_0's down phase
- * 1.6x (twenty-fifth session, docs/benchmarks.md). Other vendors get Intel's. */
-static void r16_defaults(int *pf, int *split) {
+/* Defaults by vendor, as measured (docs/native.md). The lent Xeon (Sapphire Rapids): every type
+ * 1 KiB ahead into L1, two segments per pair (seventh session). A Zen 4: one segment, and into L2
+ * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_0, Q6_K: 1.4-2.3x their
+ * phases at one thread), none for Q8_0, which read fastest with none (twenty-fifth session). Other
+ * vendors get Intel's. */
+static void r16_defaults(int pf[PF_TYPES], int *l2, int *split) {
     const int amd = ktk_cpu_vendor() == KTK_VENDOR_AMD;
-    *pf = amd ? 0 : 1024;
+    for (int t = 0; t < PF_TYPES; t++) pf[t] = amd ? (t == PF_Q8_0 ? 0 : 4096) : 1024;
+    *l2 = amd;
     *split = amd ? 1 : 2;
 }
 
@@ -460,17 +470,24 @@ static int env_int(const char *name, int lo, int hi, int dflt) {
 }
 
 void ktk_r16_init(void) {
-    if (g_pf >= 0) return;
-    int pf, split;
-    r16_defaults(&pf, &split);
+    if (g_init) return;
+    int pf[PF_TYPES], l2, split;
+    r16_defaults(pf, &l2, &split);
     g_split = env_int("KTINJECT_R16_SPLIT", 1, KTK_R16_SPLIT, split);
-    g_pf = env_int("KTINJECT_R16_PF", 0, 65536, pf);
+    g_l2 = env_int("KTINJECT_R16_PF_L2", 0, 1, l2);
+    for (int t = 0; t < PF_TYPES; t++) g_pf[t] = env_int("KTINJECT_R16_PF", 0, 65536, pf[t]);
+    g_init = 1;
 }
 
-void ktk_r16_stream(int *pf_bytes, int *split) {
+int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split) {
+    const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_0 ? PF_Q5_0 : type == KTK_Q8_0 ? PF_Q8_0
+                : type == KTK_Q6_K ? PF_Q6K : -1;
+    if (t < 0) return KTK_EINVAL;
     ktk_r16_init();
-    if (pf_bytes) *pf_bytes = g_pf;
+    if (pf_bytes) *pf_bytes = g_pf[t];
+    if (l2) *l2 = g_l2;
     if (split) *split = g_split;
+    return KTK_OK;
 }
 
 /* The kernels take KTK_ISA_AVX512 / AMX (VNNI is part of ktinject's AVX-512 path), scalar otherwise. */

@@ -116,16 +116,20 @@ print('$model $env $*', {k: r[k] for k in ('decode_tokens_per_s', 'decode_mode',
     done
   done
 fi
-if [[ $steps == *" r16 "* ]]; then   # R16 repacked experts vs GGUF rows, alternating (KTINJECT_REPACK: R16_MODES, default "0 1"), R16_ROUNDS rounds
+if [[ $steps == *" r16 "* ]]; then   # R16 repacked experts vs GGUF rows, alternating, R16_ROUNDS rounds: R16_ENVS, settings
+  # each (several joined by commas), default "KTINJECT_REPACK=0 KTINJECT_REPACK=1"; e.g. the L2 prefetch on Q4_K copies:
+  # R16_ENVS="KTINJECT_REPACK=auto KTINJECT_REPACK=1 KTINJECT_REPACK=1,KTINJECT_R16_PF_L2=1,KTINJECT_R16_PF=4096"
   python3 native/bench_dots.py --rows 256 --quant q4_k,q5_0,q8_0 --isa avx512 2>&1 | tee "$OUT/r16_dots.txt"
   for i in $(seq ${R16_ROUNDS:-2}); do
-    for rp in ${R16_MODES:-0 1}; do
-      KTINJECT_REPACK=$rp timeout -s KILL 150 python3 -m ktinject bench experts --quant ${R16_QUANTS:-q4_k,q8_0} --batch 1 \
-        --threads ${R16_THREADS:-16,15} --gib 3 --probe-gib 2 --seconds 2 --json 2>&1 | python3 -c "import sys, json
+    for e in ${R16_ENVS:-KTINJECT_REPACK=0 KTINJECT_REPACK=1}; do
+      (IFS=,; for kv in $e; do export "$kv"; done; unset IFS
+       timeout -s KILL 150 python3 -m ktinject bench experts --quant ${R16_QUANTS:-q4_k,q8_0} --batch 1 \
+        --threads ${R16_THREADS:-16,15} --gib 3 --probe-gib 2 --seconds 2 --json --trace 2>&1 | python3 -c "import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith('{') else None
-    print('repack=$rp', {k: r[k] for k in ('quant', 'down_quant', 'threads', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction')} if r else l.rstrip())" \
-        | tee -a "$OUT/r16_ab.txt"
+    print('$e', {k: r[k] for k in ('quant', 'down_quant', 'threads', 'ms_per_layer', 'gbps', 'bandwidth_gbps', 'fraction')} if r else l.rstrip(),
+          {k: r['trace_us'].get(k) for k in ('gate_up', 'down')} if r else '')" \
+        | tee -a "$OUT/r16_ab.txt")
     done
   done
   for rp in 0 1; do   # prefill: the grouped paths dequantize R16 groups (AMX tiles from f32 rows)

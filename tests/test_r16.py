@@ -27,6 +27,12 @@ R16 = [QT.Q4_K, QT.Q5_0, QT.Q8_0, QT.Q6_K]
 N = {QT.Q4_K: 512, QT.Q5_0: 96, QT.Q8_0: 128, QT.Q6_K: 512}
 
 
+def _vendor() -> str:
+    from pathlib import Path
+    return next((line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("vendor_id")), "")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(77)
@@ -88,13 +94,17 @@ def test_moe_kernel_repacked(isa, qt, dqt, T, tile_min, monkeypatch):
 
 
 def test_auto_repack_follows_the_isa_the_types_and_the_env(monkeypatch):
-    """auto: AVX-512 / AMX only, and only the types measured faster from memory (Q5_0, Q8_0)."""
+    """auto: AVX-512 / AMX only, and only the types measured faster from memory (Q5_0, Q8_0; on AMD,
+    whose R16 kernels prefetch into L2, Q4_K and Q6_K too)."""
     monkeypatch.delenv("KTINJECT_REPACK", raising=False)
+    amd = _vendor() in ("AuthenticAMD", "HygonGenuine")
+    assert nmoe.auto_types() == ((12, 6, 8, 14) if amd else (6, 8))
     (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=2)
     (g8, u8, d8), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2)
     assert native.MoEKernel(gate, up, down, threads=1, isa="scalar").repacked == ()
     if "avx512" in ISAS:
-        assert native.MoEKernel(gate, up, down, threads=1, isa="avx512").repacked == ("down",)
+        assert native.MoEKernel(gate, up, down, threads=1, isa="avx512").repacked == \
+            (("gate", "up", "down") if amd else ("down",))
         assert native.MoEKernel(g8, u8, d8, threads=1, isa="avx512").repacked == ("gate", "up", "down")
         assert native.MoEKernel(gate, up, down, threads=1, isa="avx512", repack=True).repacked == ("gate", "up", "down")
         monkeypatch.setenv("KTINJECT_REPACK", "0")
@@ -200,25 +210,25 @@ print(json.dumps(out))
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="the R16 SIMD kernels need the AVX-512 path")
 def test_r16_stream_defaults_and_overrides():
-    """How the R16 kernels read memory: defaults by vendor (AMD: no software prefetch, one segment;
-    others: 1 KiB, two), $KTINJECT_R16_PF / $KTINJECT_R16_SPLIT override them (out-of-range values
-    fall back to the defaults), and every setting gives the same dots (segment sums added in another
-    order: 1e-5). Each setting is read once per process, hence the subprocesses."""
+    """How the R16 kernels read memory: defaults by vendor (AMD: into L2, 4 KiB ahead but none for
+    Q8_0, one segment; others: into L1, 1 KiB, two segments), $KTINJECT_R16_PF / _PF_L2 / _SPLIT
+    override them (out-of-range values fall back to the defaults), and every setting gives the same
+    dots (segment sums added in another order: 1e-5). Each setting is read once per process, hence
+    the subprocesses."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    vendor = next((line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("vendor_id")), "")
+    vendor = _vendor()
     amd = vendor in ("AuthenticAMD", "HygonGenuine")
-    default = ("no software prefetch, 1 segment a pair (the AMD defaults)" if amd
-               else "prefetch 1024 B ahead, 2 segments a pair (the Intel defaults)" if vendor == "GenuineIntel"
-               else "prefetch 1024 B ahead, 2 segments a pair (the default defaults)")
+    default = ("prefetch into L2: Q4_K, Q5_0, Q6_K 4096 B ahead; Q8_0 none; 1 segment a pair (the AMD defaults)"
+               if amd else "prefetch into L1: Q4_K, Q5_0, Q6_K, Q8_0 1024 B ahead; 2 segments a pair (the "
+               + ("Intel" if vendor == "GenuineIntel" else "default") + " defaults)")
     here = Path(__file__).parent
     runs = {}
-    for cfg in ({}, {"KTINJECT_R16_PF": "512", "KTINJECT_R16_SPLIT": "4"},
+    for cfg in ({}, {"KTINJECT_R16_PF": "512", "KTINJECT_R16_SPLIT": "4", "KTINJECT_R16_PF_L2": "1"},
                 {"KTINJECT_R16_PF": "0", "KTINJECT_R16_SPLIT": "2"}, {"KTINJECT_R16_SPLIT": "9"}):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTINJECT_R16_")}
         env.update(cfg, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")]))
@@ -227,8 +237,10 @@ def test_r16_stream_defaults_and_overrides():
         runs[tuple(cfg.items())] = json.loads(res.stdout.strip().splitlines()[-1])
     streams = [r["stream"] for r in runs.values()]
     assert streams[0] == default
-    assert streams[1] == "prefetch 512 B ahead, 4 segments a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)"
-    assert streams[2] == "no software prefetch, 2 segments a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)"
+    assert streams[1] == ("prefetch into L2: Q4_K, Q5_0, Q6_K, Q8_0 512 B ahead; 4 segments a pair "
+                          "(set by $KTINJECT_R16_PF and $KTINJECT_R16_PF_L2 and $KTINJECT_R16_SPLIT)")
+    assert streams[2] == ("prefetch into " + ("L2" if amd else "L1") + ": Q4_K, Q5_0, Q6_K, Q8_0 none; 2 segments "
+                          "a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)")
     assert streams[3] == default.split(" (")[0] + " (set by $KTINJECT_R16_SPLIT='9' ignored: not 1-4)"
     base = runs[()]["y"]
     for r in runs.values():

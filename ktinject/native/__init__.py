@@ -139,10 +139,10 @@ def describe() -> dict:
     if running is not None:     # how cpu_linear's prompts multiply here (docs/operators.md)
         out["linear_prefill"] = linear_path(running)
     if running is not None:     # what repack: auto does on this path (docs/native.md, R16)
-        from .moe import AUTO_TYPES, R16_TYPES, repack_mode
+        from .moe import R16_TYPES, auto_types, repack_mode
         mode = repack_mode(ISAS.index(running), None)
         out["r16_repack"] = mode if mode == "off" else \
-            f"{mode} ({', '.join(R16_TYPES[t] for t in (AUTO_TYPES if mode == 'auto' else R16_TYPES))})"
+            f"{mode} ({', '.join(R16_TYPES[t] for t in (auto_types() if mode == 'auto' else R16_TYPES))})"
         if mode != "off":
             out["r16_stream"] = r16_stream()
     if err:
@@ -154,22 +154,28 @@ VENDORS = {1: "Intel", 2: "AMD"}
 
 
 def r16_stream() -> str:
-    """How the R16 decode kernels read memory here: their software prefetch distance and segments per
-    (group, token) pair, defaults by CPU vendor unless $KTINJECT_R16_PF / $KTINJECT_R16_SPLIT set them
-    (docs/native.md, R16)."""
+    """How the R16 decode kernels read memory here: their software prefetch distance per type, into
+    L1 or L2, and their segments per (group, token) pair; defaults by CPU vendor unless
+    $KTINJECT_R16_PF / $KTINJECT_R16_PF_L2 / $KTINJECT_R16_SPLIT set them (docs/native.md, R16)."""
+    from gguf import GGMLQuantizationType as QT
     lib, ffi = load()
-    pf, split = ffi.new("int *"), ffi.new("int *")
-    lib.ktk_r16_stream(pf, split)
+    pf, l2, split = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
+    by_pf: dict[int, list[str]] = {}
+    for qt in (QT.Q4_K, QT.Q5_0, QT.Q6_K, QT.Q8_0):
+        check(lib.ktk_r16_stream(int(qt), pf, l2, split), "r16_stream")
+        by_pf.setdefault(int(pf[0]), []).append(qt.name)
+    ahead = "; ".join(f"{', '.join(names)} " + (f"{d} B ahead" if d else "none")
+                      for d, names in sorted(by_pf.items(), reverse=True))
+    into = "L2" if l2[0] else "L1"
     notes = []
-    for k, lo, hi in (("KTINJECT_R16_PF", 0, 65536), ("KTINJECT_R16_SPLIT", 1, 4)):
+    for k, lo, hi in (("KTINJECT_R16_PF", 0, 65536), ("KTINJECT_R16_PF_L2", 0, 1), ("KTINJECT_R16_SPLIT", 1, 4)):
         v = os.environ.get(k)
         if v is not None:   # as native/r16.c reads it: a whole decimal number in range, else the default
             ok = v.strip().lstrip("+-").isdigit() and lo <= int(v) <= hi
             notes.append(f"${k}" if ok else f"${k}={v!r} ignored: not {lo}-{hi}")
     why = f"set by {' and '.join(notes)}" if notes else \
         f"the {VENDORS.get(int(lib.ktk_cpu_vendor()), 'default')} defaults"
-    ahead = f"prefetch {pf[0]} B ahead" if pf[0] else "no software prefetch"
-    return f"{ahead}, {split[0]} segment{'s' if split[0] > 1 else ''} a pair ({why})"
+    return f"prefetch into {into}: {ahead}; {split[0]} segment{'s' if split[0] > 1 else ''} a pair ({why})"
 
 
 def grouped_path(isa_name: str) -> str:

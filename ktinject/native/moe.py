@@ -162,11 +162,20 @@ def r16_gemv(ggml_type: int, w: torch.Tensor, n: int, x: torch.Tensor, isa_name:
 
 
 ENV_REPACK = "KTINJECT_REPACK"
-# repack=None (auto) repacks these types only: measured faster at decode from memory on the lent
-# Xeon (Q5_0 down projections ~30% faster per byte); Q4_K's R16 kernel is ~2x faster in cache but
-# was not faster from memory (docs/benchmarks.md), so auto leaves Q4_K in GGUF rows.
+# repack=None (auto) repacks these types only, except on AMD: measured faster at decode from memory on
+# the lent Xeon (Q5_0 down projections ~30% faster per byte); Q4_K's R16 kernel is ~2x faster in cache
+# but was not faster from memory there (docs/benchmarks.md), so auto leaves Q4_K in GGUF rows on Intel.
 R16_TYPES = {12: "Q4_K", 6: "Q5_0", 8: "Q8_0", 14: "Q6_K"}    # GGML types with an R16 layout (native/r16.c)
 AUTO_TYPES = (6, 8)       # Q5_0, Q8_0
+# On AMD the R16 kernels prefetch into L2 ahead of the compute-heavy types, and every type read faster
+# from R16 copies than from GGUF rows on a Zen 4 (Q4_K gate/up 1.3x, Q6_K 1.5x at one thread; docs/native.md)
+AUTO_TYPES_AMD = (12, 6, 8, 14)   # Q4_K, Q5_0, Q8_0, Q6_K
+
+
+def auto_types() -> tuple[int, ...]:
+    """The GGML types `repack: auto` gives R16 copies on this CPU: `AUTO_TYPES`, or `AUTO_TYPES_AMD` on AMD."""
+    lib, _ = load()
+    return AUTO_TYPES_AMD if int(lib.ktk_cpu_vendor()) == 2 else AUTO_TYPES
 _warned: set[str] = set()
 
 
@@ -185,7 +194,7 @@ def _ram_allows(nbytes: int) -> bool:
 
 
 def repack_mode(isa: int, repack: Optional[bool]) -> str:
-    """"off", "auto" (the `AUTO_TYPES`, when RAM allows) or "on" (every type with the layout), in
+    """"off", "auto" (the `auto_types()`, when RAM allows) or "on" (every type with the layout), in
     this order: $KTINJECT_REPACK=0 is off everywhere; `repack` False / True is off / on;
     $KTINJECT_REPACK=1 is on; else auto on the AVX-512 and AMX paths (whose VNNI kernels read R16),
     off on the others."""
@@ -307,7 +316,7 @@ class MoEKernel:
     """out[t] = sum_j w[t,j] * down_e(SiLU(gate_e x_t) * up_e x_t), e = ids[t,j].
 
     gate, up: [E, I, H]; down: [E, H, I] (ExpertMatrix each). `threads` 0 = one per CPU.
-    `repack`: True / False / None (`repack_mode`: auto on AVX-512 and AMX: the `AUTO_TYPES`, when RAM
+    `repack`: True / False / None (`repack_mode`: auto on AVX-512 and AMX: the `auto_types()`, when RAM
     allows): gate and up (both or neither) and down get an R16 copy where `r16_supported` allows
     (`repacked` names them), which the decode (row-dot) path reads; the grouped (prefill) path and
     streamed_experts keep reading the GGUF rows given (`gate`, `up`, `down`).
@@ -350,8 +359,10 @@ class MoEKernel:
         self.r16: dict[str, ExpertMatrix] = {}
         mode = repack_mode(self.isa, repack)
         if mode != "off":
+            auto = auto_types()
+
             def ok(m: ExpertMatrix) -> bool:
-                return not r16_supported(m) and (mode == "on" or m.ggml_type in AUTO_TYPES)
+                return not r16_supported(m) and (mode == "on" or m.ggml_type in auto)
             todo = ([("gate", gate), ("up", up)] if gate.ggml_type == up.ggml_type and ok(gate) and ok(up) else []) \
                 + ([("down", down)] if ok(down) else [])
             if mode == "on":                     # asked for: say what stays in GGUF rows, and why
