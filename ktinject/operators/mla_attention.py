@@ -110,7 +110,7 @@ class MLAAttention(Operator):
         self.kv_cache: Optional[torch.Tensor] = None       # [B, L, R + r]
         self.reserved = False        # sized by reserve(): decode never syncs with the host or grows
         self.cache_writes = 0        # bumped by every Python-side write or resize of kv_cache
-        self._absorbed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._absorbed: Optional[tuple[torch.Tensor, torch.Tensor, bool]] = None   # w_uk, w_uv, uk_rows
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -180,8 +180,11 @@ class MLAAttention(Operator):
                 new[:c.shape[0], :c.shape[1]] = c.to(device=like.device, dtype=like.dtype)
         self.kv_cache = new
 
-    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._absorbed is None:
+    def _absorbed_weights(self, uk_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_uk [H, dn, R], w_uv [H, dv, R]) from kv_b_proj, made once; with uk_rows w_uk is stored
+        [H, R, dn] instead, each head's R rows of dn values (the CPU path's layout: see
+        _absorbed_attention)."""
+        if self._absorbed is None or self._absorbed[2] != uk_rows:
             r = self.kv_lora_rank
             dev = self.kv_a_layernorm.weight.device
             eye = torch.eye(r, device=dev, dtype=self._compute_dtype())
@@ -189,10 +192,11 @@ class MLAAttention(Operator):
             w = self.kv_b_proj(eye).float().T    # [H*(dn+dv), R]
             w = w.reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, r)
             dt = self._compute_dtype()
-            w_uk = w[:, :self.qk_nope_head_dim].to(dt).contiguous()         # [H, dn, R]
+            w_uk = w[:, :self.qk_nope_head_dim].to(dt)                      # [H, dn, R]
+            w_uk = (w_uk.transpose(1, 2) if uk_rows else w_uk).contiguous()
             w_uv = w[:, self.qk_nope_head_dim:].to(dt).contiguous()         # [H, dv, R]
-            self._absorbed = (w_uk, w_uv)
-        return self._absorbed
+            self._absorbed = (w_uk, w_uv, uk_rows)
+        return self._absorbed[:2]
 
     def _compute_dtype(self) -> torch.dtype:
         p = next((p for p in self.kv_a_layernorm.parameters()), None)
@@ -337,15 +341,26 @@ class MLAAttention(Operator):
     def _absorbed_attention(self, q_nope, q_pe, kv_all, mask) -> torch.Tensor:
         # q_nope: [B, S, H, dn]  q_pe: [B, S, H, r]  kv_all: [B, L, R+r]  mask: [B, S, L] -> [B, S, H, dv]
         r = self.kv_lora_rank
-        w_uk, w_uv = self._absorbed_weights()
+        # On the CPU the weights go first in bmm: per head a matrix times the step's vectors, which
+        # torch's CPU bmm runs 2.2-2.6x faster at one token than the einsums' vectors times matrices
+        # (V2-Lite's shapes, one thread: 344 + 405 -> 154 + 156 us a layer; docs/benchmarks.md)
+        cpu = q_nope.device.type == "cpu"
+        w_uk, w_uv = self._absorbed_weights(uk_rows=cpu)
         dt = kv_all.dtype
-        q_lat = torch.einsum("bshd,hdr->bshr", q_nope.to(w_uk.dtype), w_uk).to(dt)       # [B, S, H, R]
+        bsz, slen, h = q_nope.shape[:3]
+        if cpu:
+            q_t = q_nope.to(w_uk.dtype).permute(2, 3, 0, 1).reshape(h, -1, bsz * slen)   # [H, dn, B*S]
+            q_lat = torch.bmm(w_uk, q_t).view(h, r, bsz, slen).permute(2, 3, 0, 1).to(dt)  # [B, S, H, R]
+        else:
+            q_lat = torch.einsum("bshd,hdr->bshr", q_nope.to(w_uk.dtype), w_uk).to(dt)   # [B, S, H, R]
         q_cat = torch.cat([q_lat, q_pe.to(dt)], dim=-1).flatten(1, 2)                      # [B, S*H, R+r]
         scores = torch.bmm(q_cat, kv_all.transpose(1, 2)).float() * self.scaling           # [B, S*H, L]
-        bsz, slen, h = q_nope.shape[:3]
         scores = scores.view(bsz, slen, h, -1).masked_fill(~mask.unsqueeze(2), float("-inf"))
         probs = scores.softmax(dim=-1).to(dt).view(bsz, slen * h, -1)
         o_lat = torch.bmm(probs, kv_all[..., :r]).view(bsz, slen, h, r)                    # [B, S, H, R]
+        if cpu:
+            o_t = o_lat.to(w_uv.dtype).permute(2, 3, 0, 1).reshape(h, r, bsz * slen)      # [H, R, B*S]
+            return torch.bmm(w_uv, o_t).view(h, -1, bsz, slen).permute(2, 3, 0, 1).to(dt)  # [B, S, H, dv]
         return torch.einsum("bshr,hvr->bshv", o_lat.to(w_uv.dtype), w_uv).to(dt)
 
     def _expanded_attention(self, q_nope, q_pe, kv_all, mask) -> torch.Tensor:
