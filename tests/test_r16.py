@@ -111,6 +111,28 @@ def test_auto_repack_follows_the_isa_the_types_and_the_env(monkeypatch):
         assert native.MoEKernel(g8, u8, d8, threads=1, isa="avx512").repacked == ()
 
 
+def test_auto_repack_short_of_ram_keeps_the_base_types(monkeypatch, caplog):
+    """Where RAM has no room for every copy `auto` would make (AMD's Q4_K gate/up beside a Q5_0 down),
+    the Q5_0 / Q8_0 copies still come first, and the warning says what was left out; with no room
+    for those either, none. (Any ISA: the auto policy is forced here, the dots then run the scalar loop.)"""
+    monkeypatch.delenv("KTINJECT_REPACK", raising=False)
+    monkeypatch.setattr(nmoe, "repack_mode", lambda isa, repack: "auto")
+    monkeypatch.setattr(nmoe, "auto_types", lambda: nmoe.AUTO_TYPES_AMD)
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=2)
+    down_bytes = 2 * down.n_experts * down.rows * native.r16_row_bytes(int(QT.Q5_0), down.cols)
+    nmoe._warned.clear()
+    monkeypatch.setattr(nmoe, "_ram_allows", lambda nbytes: nbytes <= down_bytes)
+    with caplog.at_level("WARNING"):
+        k = native.MoEKernel(gate, up, down, threads=1, isa="scalar")
+    assert k.repacked == ("down",)
+    assert "routed experts only down repacked (slower decode)" in caplog.text
+    nmoe._warned.clear()
+    monkeypatch.setattr(nmoe, "_ram_allows", lambda nbytes: False)
+    assert native.MoEKernel(gate, up, down, threads=1, isa="scalar").repacked == ()
+    monkeypatch.setattr(nmoe, "_ram_allows", lambda nbytes: True)
+    assert native.MoEKernel(gate, up, down, threads=1, isa="scalar").repacked == ("gate", "up", "down")
+
+
 def test_bad_input_names_the_problem():
     w5 = rand_rows(QT.Q5_K, 16, 256, seed=1)
     with pytest.raises(NativeError, match="no R16 layout"):

@@ -373,11 +373,16 @@ class MoEKernel:
                     why = r16_supported(m) or ("gate and up differ in type" if gate.ggml_type != up.ggml_type
                                                else "gate and up are repacked together, and the other cannot be")
                     _warn_once(f"repack: on: {role} ({m.name or 'expert matrix'}) stays in GGUF rows: {why}")
-            nbytes = sum(m.n_experts * m.rows * r16_row_bytes(m.ggml_type, m.cols) for _, m in todo)
-            if todo and mode == "auto" and not _ram_allows(2 * nbytes):
-                _warn_once(f"routed experts not repacked (slower decode): the R16 copies need {nbytes / 2**20:.0f} MiB "
+            def size(ms) -> int:
+                return sum(m.n_experts * m.rows * r16_row_bytes(m.ggml_type, m.cols) for _, m in ms)
+            if todo and mode == "auto" and not _ram_allows(2 * size(todo)):
+                # short of room for every copy: the types repacked everywhere first (Q5_0, Q8_0: the
+                # largest gains per byte), so that AMD's extra Q4_K / Q6_K never cost a model those
+                base = [(role, m) for role, m in todo if m.ggml_type in AUTO_TYPES]
+                nbytes, todo = size(todo), (base if base and _ram_allows(2 * size(base)) else [])
+                left = "only " + "+".join(role for role, _ in todo) + " repacked" if todo else "not repacked"
+                _warn_once(f"routed experts {left} (slower decode): the R16 copies need {nbytes / 2**20:.0f} MiB "
                            f"beside the GGUF pages the prefill path reads, more than this machine has to spare")
-                todo = []
             if todo and self.isa < ISAS.index("avx512"):
                 _warn_once(f"repack: on with the {ISAS[self.isa]} path: its R16 dots are a portable scalar loop, "
                            f"slower than the GGUF kernels (the R16 kernels need AVX-512 VNNI)")
