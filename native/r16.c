@@ -20,6 +20,11 @@
  *     [192, 320)   m[4][16][2]: the 6-bit mins of sub-blocks 2p and 2p+1 of row r, side by side
  *     [320, 2368)  q[32][16][4]: chunk c (values 8c .. 8c+7), row r, byte b:
  *                  low nibble = value 8c+b, high nibble = value 8c+4+b
+ *   Q5_K (GB 2880 = 16 x 180; GGUF 16 x 176): Q4_K's, with the fifth bits as Q5_0 keeps them:
+ *     [0, 320)     d, dmin, sc, m as Q4_K's
+ *     [320, 832)   h[32][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
+ *                  of value 8c+4+b (h[c][1]) of row r
+ *     [832, 2880)  q[32][16][4]: as Q4_K's nibbles
  *   Q5_0 (GB 352 = 16 x 22):
  *     [0, 32)      d[16]    fp16
  *     [32, 96)     h[4][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
@@ -36,7 +41,7 @@
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
  *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
  *
- * Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8%, which costs less than unpacking 6-bit
+ * Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K by 2.3%), which costs less than unpacking 6-bit
  * scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
  * a group gives exactly the floats GGML's dequantization gives (tested). */
 #include "ktk_int.h"
@@ -47,6 +52,7 @@
 static int group_bytes(int type) {
     switch (type) {
     case KTK_Q4_K: return 2368;
+    case KTK_Q5_K: return 2880;
     case KTK_Q5_0: return 352;
     case KTK_Q8_0: return 544;
     case KTK_Q6_K: return 3360;
@@ -64,7 +70,7 @@ int64_t ktk_r16_row_bytes(int type, int64_t n) {
 
 /* ---- repacking ---- */
 
-/* The values of one GGML block, unsigned (Q4_K 4 bits, Q5_0 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
+/* The values of one GGML block, unsigned (Q4_K 4 bits, Q5_0 / Q5_K 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
  * in the block's value order: unpacked once per row, then scattered into the R16 block. */
 static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
     switch (type) {
@@ -74,6 +80,15 @@ static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
             for (int l = 0; l < 32; l++) {
                 v[64 * j + l] = x->qs[32 * j + l] & 0xF;
                 v[64 * j + 32 + l] = x->qs[32 * j + l] >> 4;
+            }
+        break;
+    }
+    case KTK_Q5_K: {   /* step j: low nibbles + bit 2j of qh, then high nibbles + bit 2j + 1 */
+        const blk_q5_k *x = (const blk_q5_k *)b;
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                v[64 * j + l] = (uint8_t)((x->qs[32 * j + l] & 0xF) | ((x->qh[l] >> (2 * j)) & 1) << 4);
+                v[64 * j + 32 + l] = (uint8_t)((x->qs[32 * j + l] >> 4) | ((x->qh[l] >> (2 * j + 1)) & 1) << 4);
             }
         break;
     }
@@ -117,18 +132,27 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
         unpack_values(type, b, v);
         uint8_t *q = dst + 4 * r;   /* row r's 4 bytes in each chunk vector */
         switch (type) {
-        case KTK_Q4_K: {
-            const blk_q4_k *x = (const blk_q4_k *)b;
-            memcpy(dst + 2 * r, &x->d, 2);
-            memcpy(dst + 32 + 2 * r, &x->dmin, 2);
+        case KTK_Q4_K: case KTK_Q5_K: {   /* d, dmin, scales and mins: the same fields, the same places */
+            const uint8_t *scales = b + 4;   /* after d and dmin in both blocks */
+            memcpy(dst + 2 * r, b, 2);
+            memcpy(dst + 32 + 2 * r, b + 2, 2);
             for (int s = 0; s < 8; s++) {
                 uint8_t sc, m;
-                ktk_scale_min_k4(s, x->scales, &sc, &m);
+                ktk_scale_min_k4(s, scales, &sc, &m);
                 dst[64 + 16 * s + r] = sc;
                 dst[192 + 32 * (s / 2) + 2 * r + (s & 1)] = m;
             }
+            const int qo = type == KTK_Q4_K ? 320 : 832;
             for (int c = 0; c < 32; c++)
-                for (int k = 0; k < 4; k++) q[320 + 64 * c + k] = (uint8_t)(v[8 * c + k] | v[8 * c + 4 + k] << 4);
+                for (int k = 0; k < 4; k++) {
+                    const int lo = v[8 * c + k], hi = v[8 * c + 4 + k];
+                    q[qo + 64 * c + k] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
+                    if (type == KTK_Q5_K) {   /* row r's fifth bits into chunk c's two masks (little-endian) */
+                        const int bit = 4 * r + k;
+                        dst[320 + 16 * c + bit / 8] |= (uint8_t)((lo >> 4) << (bit % 8));
+                        dst[328 + 16 * c + bit / 8] |= (uint8_t)((hi >> 4) << (bit % 8));
+                    }
+                }
             break;
         }
         case KTK_Q5_0: {
@@ -206,13 +230,13 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
 static inline int r16_value(int type, const uint8_t *b, int r, int v) {
     if (type == KTK_Q8_0) return b[32 + 64 * (v / 4) + 4 * r + v % 4];
     const int c = v / 8, k = v % 8 & 3, high = v % 8 >= 4;
-    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_0 ? 96 : 288;
+    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96 : 288;
     const uint8_t q = b[qo + 64 * c + 4 * r + k];
     const int lo = high ? q >> 4 : q & 0xF;
     if (type == KTK_Q4_K) return lo;
-    if (type == KTK_Q5_0) {
-        const int bit = 4 * r + k;
-        return lo | ((b[32 + 16 * c + 8 * high + bit / 8] >> (bit % 8)) & 1) << 4;
+    if (type == KTK_Q5_0 || type == KTK_Q5_K) {
+        const int bit = 4 * r + k, mo = type == KTK_Q5_0 ? 32 : 320;
+        return lo | ((b[mo + 16 * c + 8 * high + bit / 8] >> (bit % 8)) & 1) << 4;
     }
     return lo | ((b[2336 + 128 * (c / 4) + 64 * high + 4 * r + k] >> (2 * (c % 4))) & 3) << 4;   /* Q6_K */
 }
@@ -223,9 +247,9 @@ static inline float r16_f16(const uint8_t *p) {
     return ktk_f16_to_f32(h);
 }
 
-/* the scale of sub-block s: Q4_K (32 values, 6-bit), Q6_K (16 values, int8) */
+/* the scale of sub-block s: Q4_K / Q5_K (32 values, 6-bit), Q6_K (16 values, int8) */
 static inline int r16_scale(int type, const uint8_t *b, int r, int s) {
-    return type == KTK_Q4_K ? b[64 + 16 * s + r] : (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)];
+    return type != KTK_Q6_K ? b[64 + 16 * s + r] : (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)];
 }
 static inline int r16_q4k_min(const uint8_t *b, int r, int s) { return b[192 + 32 * (s / 2) + 2 * r + (s & 1)]; }
 
@@ -239,7 +263,9 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
             for (int v = 0; v < B; v++) {
                 const int q = r16_value(type, g, r, v);
                 switch (type) {
-                case KTK_Q4_K: y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)q - r16_f16(g + 32 + 2 * r) * (float)r16_q4k_min(g, r, v / 32); break;
+                case KTK_Q4_K: case KTK_Q5_K:
+                    y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)q - r16_f16(g + 32 + 2 * r) * (float)r16_q4k_min(g, r, v / 32);
+                    break;
                 case KTK_Q6_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 32); break;
                 case KTK_Q5_0: y[v] = d * (float)(q - 16); break;
                 default: y[v] = d * (float)(q - 128);
@@ -259,16 +285,16 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
 /* one block of row r against its activations: integer sums exactly as the SIMD kernels, the same float steps */
 static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int64_t n, int64_t i) {
     const float d = r16_f16(b + 2 * r);
-    if (type == KTK_Q4_K || type == KTK_Q6_K) {
+    if (type == KTK_Q4_K || type == KTK_Q5_K || type == KTK_Q6_K) {
         const ktk_q8k *y = ktk_act_k(xq, n) + i;
-        const int S = type == KTK_Q4_K ? 32 : 16;   /* values per sub-block */
+        const int S = type == KTK_Q6_K ? 16 : 32;   /* values per sub-block */
         int32_t si = 0, mi = 0;
         for (int s = 0; s < 256 / S; s++) {
             int32_t dot = 0, bsum = 0;
             for (int v = S * s; v < S * (s + 1); v++) dot += r16_value(type, b, r, v) * y->q[v];
             for (int j = S * s / 16; j < S * (s + 1) / 16; j++) bsum += y->bsums[j];
             si += dot * r16_scale(type, b, r, s);
-            mi += (type == KTK_Q4_K ? r16_q4k_min(b, r, s) : 32 * r16_scale(type, b, r, s)) * bsum;
+            mi += (type != KTK_Q6_K ? r16_q4k_min(b, r, s) : 32 * r16_scale(type, b, r, s)) * bsum;
         }
         if (type == KTK_Q6_K) return (float)(si - mi) * (d * y->d);   /* the -32 offset, as integers */
         return fmaf(-(float)mi, r16_f16(b + 32 + 2 * r) * y->d, (float)si * (d * y->d));
@@ -295,7 +321,7 @@ static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *c
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 
 /* How the kernels read memory (defaults: r16_defaults; read once by ktk_r16_init): */
-enum { PF_Q4K, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_TYPES };
+enum { PF_Q4K, PF_Q5K, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_TYPES };
 static int g_init = 0;
 static int g_pf[PF_TYPES];   /* software prefetch distance in bytes per type ($KTINJECT_R16_PF: all; 0: none) */
 static int g_l2 = 0;         /* 1: prefetch into L2 (prefetcht1), 0: into L1 ($KTINJECT_R16_PF_L2) */
@@ -317,22 +343,9 @@ AVX512_INLINE void pf_block(const uint8_t *b, int gb, int pf) {
         for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)(a + (uintptr_t)o), _MM_HINT_T0);
 }
 
-/* one block of one pair: the block's sum, weighted, added to acc (16 rows) */
-AVX512_INLINE __m512 r16_q4k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i acc = _mm512_setzero_si512(), macc = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; s++) {
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int c = 4 * s; c < 4 * s + 4; c++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(g + 320 + 64 * c));
-            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), bcast4(y->q + 8 * c));
-            hi = _mm512_dpbusd_epi32(hi, _mm512_andnot_si512(m4, v), bcast4(y->q + 8 * c + 4));
-        }
-        const __m512i si = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));   /* hi: 16 x the nibbles' dot */
-        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(si, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)))));
-    }
+/* the mins term of a Q4_K / Q5_K block (their layouts agree there) and the block's weighted sum */
+AVX512_INLINE __m512 r16_k45_finish(const uint8_t *g, const ktk_q8k *y, __m512i acc, __m512 accf) {
+    __m512i macc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
         const uint32_t pair = (uint16_t)(y->bsums[4 * p] + y->bsums[4 * p + 1]) |
@@ -345,6 +358,46 @@ AVX512_INLINE __m512 r16_q4k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
     const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)));
     return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(macc), _mm512_mul_ps(dm, yd),
                             _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, yd))) + accf;
+}
+
+/* one block of one pair: the block's sum, weighted, added to acc (16 rows) */
+AVX512_INLINE __m512 r16_q4k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 4 * s; c < 4 * s + 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(g + 320 + 64 * c));
+            lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, m4), bcast4(y->q + 8 * c));
+            hi = _mm512_dpbusd_epi32(hi, _mm512_andnot_si512(m4, v), bcast4(y->q + 8 * c + 4));
+        }
+        const __m512i si = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));   /* hi: 16 x the nibbles' dot */
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(si, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)))));
+    }
+    return r16_k45_finish(g, y, acc, accf);
+}
+
+/* Q5_K: Q4_K's sums with each chunk's fifth bits added to its bytes through mask registers (as Q5_0) */
+AVX512_INLINE __m512 r16_q5k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x10 = _mm512_set1_epi8(0x10);
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        __m512i a = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 4 * s; c < 4 * s + 4; c++) {
+            uint64_t ml, mh;
+            memcpy(&ml, g + 320 + 16 * c, 8); memcpy(&mh, g + 328 + 16 * c, 8);
+            const __m512i v = _mm512_loadu_si512((const void *)(g + 832 + 64 * c));
+            const __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            a = _mm512_dpbusd_epi32(a, _mm512_mask_add_epi8(l, (__mmask64)ml, l, x10), bcast4(y->q + 8 * c));
+            a = _mm512_dpbusd_epi32(a, _mm512_mask_add_epi8(h, (__mmask64)mh, h, x10), bcast4(y->q + 8 * c + 4));
+        }
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(a, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)))));
+    }
+    return r16_k45_finish(g, y, acc, accf);
 }
 
 AVX512_INLINE __m512 r16_q6k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
@@ -439,6 +492,7 @@ AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
         }                                                                                             \
     }
 R16_DRIVER(dot_q4k_avx512, r16_q4k, 2368, 256, PF_Q4K, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q5k_avx512, r16_q5k, 2880, 256, PF_Q5K, ktk_act_k(xq[p], n) + bi)
 R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, PF_Q5_0, xq[p] + bi)
 R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, PF_Q8_0, xq[p] + bi)
 R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
@@ -448,7 +502,7 @@ R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
  * runs a kernel: the workers only read them). */
 /* Defaults by vendor, as measured (docs/native.md). The lent Xeon (Sapphire Rapids): every type
  * 1 KiB ahead into L1, two segments per pair (seventh session). A Zen 4: one segment, and into L2
- * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_0, Q6_K: 1.4-2.3x their
+ * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_K, Q5_0, Q6_K: 1.4-2.3x their
  * phases at one thread), none for Q8_0, which read fastest with none (twenty-fifth session). Other
  * vendors get Intel's. */
 static void r16_defaults(int pf[PF_TYPES], int *l2, int *split) {
@@ -480,8 +534,8 @@ void ktk_r16_init(void) {
 }
 
 int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split) {
-    const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_0 ? PF_Q5_0 : type == KTK_Q8_0 ? PF_Q8_0
-                : type == KTK_Q6_K ? PF_Q6K : -1;
+    const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_K ? PF_Q5K : type == KTK_Q5_0 ? PF_Q5_0
+                : type == KTK_Q8_0 ? PF_Q8_0 : type == KTK_Q6_K ? PF_Q6K : -1;
     if (t < 0) return KTK_EINVAL;
     ktk_r16_init();
     if (pf_bytes) *pf_bytes = g_pf[t];
@@ -495,6 +549,7 @@ void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8
     if (isa >= KTK_ISA_AVX512) {
         switch (type) {
         case KTK_Q4_K: dot_q4k_avx512(P, g, xq, n, out); return;
+        case KTK_Q5_K: dot_q5k_avx512(P, g, xq, n, out); return;
         case KTK_Q5_0: dot_q5_0_avx512(P, g, xq, n, out); return;
         case KTK_Q8_0: dot_q8_0_avx512(P, g, xq, n, out); return;
         case KTK_Q6_K: dot_q6k_avx512(P, g, xq, n, out); return;
