@@ -25,6 +25,9 @@
  *     [320, 832)   h[32][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
  *                  of value 8c+4+b (h[c][1]) of row r
  *     [832, 2880)  q[32][16][4]: as Q4_K's nibbles
+ *   Q4_0 (GB 288 = 16 x 18):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 288)    q[4][16][4]: as Q5_0's nibbles
  *   Q5_0 (GB 352 = 16 x 22):
  *     [0, 32)      d[16]    fp16
  *     [32, 96)     h[4][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
@@ -41,7 +44,7 @@
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
  *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
  *
- * Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K by 2.3%), which costs less than unpacking 6-bit
+ * Q4_0, Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K by 2.3%), which costs less than unpacking 6-bit
  * scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
  * a group gives exactly the floats GGML's dequantization gives (tested). */
 #include "ktk_int.h"
@@ -53,6 +56,7 @@ static int group_bytes(int type) {
     switch (type) {
     case KTK_Q4_K: return 2368;
     case KTK_Q5_K: return 2880;
+    case KTK_Q4_0: return 288;
     case KTK_Q5_0: return 352;
     case KTK_Q8_0: return 544;
     case KTK_Q6_K: return 3360;
@@ -70,7 +74,7 @@ int64_t ktk_r16_row_bytes(int type, int64_t n) {
 
 /* ---- repacking ---- */
 
-/* The values of one GGML block, unsigned (Q4_K 4 bits, Q5_0 / Q5_K 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
+/* The values of one GGML block, unsigned (Q4_0 / Q4_K 4 bits, Q5_0 / Q5_K 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
  * in the block's value order: unpacked once per row, then scattered into the R16 block. */
 static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
     switch (type) {
@@ -90,6 +94,14 @@ static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
                 v[64 * j + l] = (uint8_t)((x->qs[32 * j + l] & 0xF) | ((x->qh[l] >> (2 * j)) & 1) << 4);
                 v[64 * j + 32 + l] = (uint8_t)((x->qs[32 * j + l] >> 4) | ((x->qh[l] >> (2 * j + 1)) & 1) << 4);
             }
+        break;
+    }
+    case KTK_Q4_0: {
+        const blk_q4_0 *x = (const blk_q4_0 *)b;
+        for (int l = 0; l < 16; l++) {
+            v[l] = x->qs[l] & 0xF;
+            v[l + 16] = x->qs[l] >> 4;
+        }
         break;
     }
     case KTK_Q5_0: {
@@ -155,6 +167,11 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
                 }
             break;
         }
+        case KTK_Q4_0:
+            memcpy(dst + 2 * r, b, 2);
+            for (int c = 0; c < 4; c++)
+                for (int k = 0; k < 4; k++) q[32 + 64 * c + k] = (uint8_t)(v[8 * c + k] | v[8 * c + 4 + k] << 4);
+            break;
         case KTK_Q5_0: {
             memcpy(dst + 2 * r, b, 2);
             uint64_t ml[4] = {0}, mh[4] = {0};   /* this row's bits of the eight masks */
@@ -230,10 +247,10 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
 static inline int r16_value(int type, const uint8_t *b, int r, int v) {
     if (type == KTK_Q8_0) return b[32 + 64 * (v / 4) + 4 * r + v % 4];
     const int c = v / 8, k = v % 8 & 3, high = v % 8 >= 4;
-    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96 : 288;
+    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96 : type == KTK_Q4_0 ? 32 : 288;
     const uint8_t q = b[qo + 64 * c + 4 * r + k];
     const int lo = high ? q >> 4 : q & 0xF;
-    if (type == KTK_Q4_K) return lo;
+    if (type == KTK_Q4_K || type == KTK_Q4_0) return lo;
     if (type == KTK_Q5_0 || type == KTK_Q5_K) {
         const int bit = 4 * r + k, mo = type == KTK_Q5_0 ? 32 : 320;
         return lo | ((b[mo + 16 * c + 8 * high + bit / 8] >> (bit % 8)) & 1) << 4;
@@ -268,6 +285,7 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
                     break;
                 case KTK_Q6_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 32); break;
                 case KTK_Q5_0: y[v] = d * (float)(q - 16); break;
+                case KTK_Q4_0: y[v] = d * (float)(q - 8); break;
                 default: y[v] = d * (float)(q - 128);
                 }
             }
@@ -302,7 +320,7 @@ static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int
     const ktk_q8 *x = xq + i;
     int32_t si = 0;
     for (int v = 0; v < 32; v++) si += r16_value(type, b, r, v) * x->q[v];
-    si -= (type == KTK_Q5_0 ? 16 : 128) * (x->s[0] + x->s[1]);
+    si -= (type == KTK_Q5_0 ? 16 : type == KTK_Q4_0 ? 8 : 128) * (x->s[0] + x->s[1]);
     return (float)si * (d * x->d);
 }
 
@@ -321,7 +339,7 @@ static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *c
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 
 /* How the kernels read memory (defaults: r16_defaults; read once by ktk_r16_init): */
-enum { PF_Q4K, PF_Q5K, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_TYPES };
+enum { PF_Q4K, PF_Q5K, PF_Q4_0, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_TYPES };
 static int g_init = 0;
 static int g_pf[PF_TYPES];   /* software prefetch distance in bytes per type ($KTINJECT_R16_PF: all; 0: none) */
 static int g_l2 = 0;         /* 1: prefetch into L2 (prefetcht1), 0: into L1 ($KTINJECT_R16_PF_L2) */
@@ -455,6 +473,20 @@ AVX512_INLINE __m512 r16_q5_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d))) + accf;
 }
 
+AVX512_INLINE __m512 r16_q4_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(g + 32 + 64 * c));
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(v, m4), bcast4(x->q + 8 * c));
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), bcast4(x->q + 8 * c + 4));
+    }
+    const __m512i si = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(8 * (x->s[0] + x->s[1])));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d))) + accf;
+}
+
 AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -493,6 +525,7 @@ AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     }
 R16_DRIVER(dot_q4k_avx512, r16_q4k, 2368, 256, PF_Q4K, ktk_act_k(xq[p], n) + bi)
 R16_DRIVER(dot_q5k_avx512, r16_q5k, 2880, 256, PF_Q5K, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q4_0_avx512, r16_q4_0, 288, 32, PF_Q4_0, xq[p] + bi)
 R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, PF_Q5_0, xq[p] + bi)
 R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, PF_Q8_0, xq[p] + bi)
 R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
@@ -502,7 +535,7 @@ R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
  * runs a kernel: the workers only read them). */
 /* Defaults by vendor, as measured (docs/native.md). The lent Xeon (Sapphire Rapids): every type
  * 1 KiB ahead into L1, two segments per pair (seventh session). A Zen 4: one segment, and into L2
- * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_K, Q5_0, Q6_K: 1.4-2.3x their
+ * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_K, Q4_0, Q5_0, Q6_K: 1.4-2.3x their
  * phases at one thread), none for Q8_0, which read fastest with none (twenty-fifth session). Other
  * vendors get Intel's. */
 static void r16_defaults(int pf[PF_TYPES], int *l2, int *split) {
@@ -534,8 +567,8 @@ void ktk_r16_init(void) {
 }
 
 int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split) {
-    const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_K ? PF_Q5K : type == KTK_Q5_0 ? PF_Q5_0
-                : type == KTK_Q8_0 ? PF_Q8_0 : type == KTK_Q6_K ? PF_Q6K : -1;
+    const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_K ? PF_Q5K : type == KTK_Q4_0 ? PF_Q4_0
+                : type == KTK_Q5_0 ? PF_Q5_0 : type == KTK_Q8_0 ? PF_Q8_0 : type == KTK_Q6_K ? PF_Q6K : -1;
     if (t < 0) return KTK_EINVAL;
     ktk_r16_init();
     if (pf_bytes) *pf_bytes = g_pf[t];
@@ -550,6 +583,7 @@ void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8
         switch (type) {
         case KTK_Q4_K: dot_q4k_avx512(P, g, xq, n, out); return;
         case KTK_Q5_K: dot_q5k_avx512(P, g, xq, n, out); return;
+        case KTK_Q4_0: dot_q4_0_avx512(P, g, xq, n, out); return;
         case KTK_Q5_0: dot_q5_0_avx512(P, g, xq, n, out); return;
         case KTK_Q8_0: dot_q8_0_avx512(P, g, xq, n, out); return;
         case KTK_Q6_K: dot_q6k_avx512(P, g, xq, n, out); return;
