@@ -274,6 +274,8 @@ def bench_experts(args) -> int:
                 flops = 2.0 * 3 * H * I * T * k
                 row = {"quant": qt.name.lower(), "down_quant": dqt.name.lower(), "batch": T, "threads": pool.threads, "isa": isa_name,
                        "caller": args.caller, "int8_prefill": int8,
+                       "repacked": list(kernels[0].repacked),   # R16 copies (decode reads them), how they are read
+                       "r16_stream": native.r16_stream() if kernels[0].repacked else None,
                        "int8_group": list(kernels[0].int8_groups) if int8 else None,
                        "int8_bits": kernels[0].int8_bits, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
                        "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
