@@ -44,8 +44,8 @@
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
  *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
  *
- * Q4_0, Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K by 2.3%), which costs less than unpacking 6-bit
- * scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
+ * Q4_0, Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K by 2.3%), which costs less
+ * than unpacking 6-bit scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
  * a group gives exactly the floats GGML's dequantization gives (tested). */
 #include "ktk_int.h"
 #include <immintrin.h>
@@ -247,7 +247,8 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
 static inline int r16_value(int type, const uint8_t *b, int r, int v) {
     if (type == KTK_Q8_0) return b[32 + 64 * (v / 4) + 4 * r + v % 4];
     const int c = v / 8, k = v % 8 & 3, high = v % 8 >= 4;
-    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96 : type == KTK_Q4_0 ? 32 : 288;
+    const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96
+                 : type == KTK_Q4_0 ? 32 : 288;
     const uint8_t q = b[qo + 64 * c + 4 * r + k];
     const int lo = high ? q >> 4 : q & 0xF;
     if (type == KTK_Q4_K || type == KTK_Q4_0) return lo;
@@ -281,7 +282,8 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
                 const int q = r16_value(type, g, r, v);
                 switch (type) {
                 case KTK_Q4_K: case KTK_Q5_K:
-                    y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)q - r16_f16(g + 32 + 2 * r) * (float)r16_q4k_min(g, r, v / 32);
+                    y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)q
+                           - r16_f16(g + 32 + 2 * r) * (float)r16_q4k_min(g, r, v / 32);
                     break;
                 case KTK_Q6_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 32); break;
                 case KTK_Q5_0: y[v] = d * (float)(q - 16); break;
@@ -413,7 +415,8 @@ AVX512_INLINE __m512 r16_q5k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
             a = _mm512_dpbusd_epi32(a, _mm512_mask_add_epi8(l, (__mmask64)ml, l, x10), bcast4(y->q + 8 * c));
             a = _mm512_dpbusd_epi32(a, _mm512_mask_add_epi8(h, (__mmask64)mh, h, x10), bcast4(y->q + 8 * c + 4));
         }
-        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(a, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)))));
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(a, sc));
     }
     return r16_k45_finish(g, y, acc, accf);
 }

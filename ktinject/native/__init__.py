@@ -150,9 +150,6 @@ def describe() -> dict:
     return out
 
 
-VENDORS = {1: "Intel", 2: "AMD"}
-
-
 def r16_stream() -> str:
     """How the R16 decode kernels read memory here: their software prefetch distance per type, into
     L1 or L2, and their segments per (group, token) pair; defaults by CPU vendor unless
@@ -173,8 +170,8 @@ def r16_stream() -> str:
         if v is not None:   # as native/r16.c reads it: a whole decimal number in range, else the default
             ok = v.strip().lstrip("+-").isdigit() and lo <= int(v) <= hi
             notes.append(f"${k}" if ok else f"${k}={v!r} ignored: not {lo}-{hi}")
-    why = f"set by {' and '.join(notes)}" if notes else \
-        f"the {VENDORS.get(int(lib.ktk_cpu_vendor()), 'default')} defaults"
+    vendor = {lib.KTK_VENDOR_INTEL: "Intel", lib.KTK_VENDOR_AMD: "AMD"}.get(lib.ktk_cpu_vendor(), "default")
+    why = f"set by {' and '.join(notes)}" if notes else f"the {vendor} defaults"
     return f"prefetch into {into}: {ahead}; {split[0]} segment{'s' if split[0] > 1 else ''} a pair ({why})"
 
 
