@@ -399,22 +399,26 @@ AVX512_INLINE __m512 r16_q4k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
     return r16_k45_finish(g, y, acc, accf);
 }
 
-/* Q5_K: Q4_K's sums with each chunk's fifth bits added to its bytes through mask registers (as Q5_0) */
-AVX512_INLINE __m512 r16_q5k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+/* one chunk of 5-bit values (their nibbles at q, their fifth bits in the two 64-bit masks at h: a
+ * masked byte add each) against the 8 activations at y: lo and hi take the low and high nibbles' dots */
+AVX512_INLINE void r16_chunk5(const uint8_t *h, const uint8_t *q, const int8_t *y, __m512i *lo, __m512i *hi) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), x10 = _mm512_set1_epi8(0x10);
+    uint64_t ml, mh;
+    memcpy(&ml, h, 8); memcpy(&mh, h + 8, 8);
+    const __m512i v = _mm512_loadu_si512((const void *)q);
+    const __m512i l = _mm512_and_si512(v, m4), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    *lo = _mm512_dpbusd_epi32(*lo, _mm512_mask_add_epi8(l, (__mmask64)ml, l, x10), bcast4(y));
+    *hi = _mm512_dpbusd_epi32(*hi, _mm512_mask_add_epi8(u, (__mmask64)mh, u, x10), bcast4(y + 4));
+}
+
+/* Q5_K: Q4_K's sums with each chunk's fifth bits added to its bytes (as Q5_0) */
+AVX512_INLINE __m512 r16_q5k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
     __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
         __m512i a = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int c = 4 * s; c < 4 * s + 4; c++) {
-            uint64_t ml, mh;
-            memcpy(&ml, g + 320 + 16 * c, 8); memcpy(&mh, g + 328 + 16 * c, 8);
-            const __m512i v = _mm512_loadu_si512((const void *)(g + 832 + 64 * c));
-            const __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-            a = _mm512_dpbusd_epi32(a, _mm512_mask_add_epi8(l, (__mmask64)ml, l, x10), bcast4(y->q + 8 * c));
-            a = _mm512_dpbusd_epi32(a, _mm512_mask_add_epi8(h, (__mmask64)mh, h, x10), bcast4(y->q + 8 * c + 4));
-        }
+        for (int c = 4 * s; c < 4 * s + 4; c++) r16_chunk5(g + 320 + 16 * c, g + 832 + 64 * c, y->q + 8 * c, &a, &a);
         const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 64 + 16 * s)));
         acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(a, sc));
     }
@@ -460,17 +464,9 @@ AVX512_INLINE __m512 r16_q6k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
 }
 
 AVX512_INLINE __m512 r16_q5_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), x10 = _mm512_set1_epi8(0x10);
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-        uint64_t ml, mh;
-        memcpy(&ml, g + 32 + 16 * c, 8); memcpy(&mh, g + 40 + 16 * c, 8);
-        const __m512i v = _mm512_loadu_si512((const void *)(g + 96 + 64 * c));
-        const __m512i l = _mm512_and_si512(v, m4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        a0 = _mm512_dpbusd_epi32(a0, _mm512_mask_add_epi8(l, (__mmask64)ml, l, x10), bcast4(x->q + 8 * c));
-        a1 = _mm512_dpbusd_epi32(a1, _mm512_mask_add_epi8(h, (__mmask64)mh, h, x10), bcast4(x->q + 8 * c + 4));
-    }
+    for (int c = 0; c < 4; c++) r16_chunk5(g + 32 + 16 * c, g + 96 + 64 * c, x->q + 8 * c, &a0, &a1);
     const __m512i si = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(16 * (x->s[0] + x->s[1])));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d))) + accf;
