@@ -122,7 +122,7 @@ int ktk_moe_chain(ktk_moe **m, int64_t n, ktk_pool *p, int isa, int64_t T, int64
                   double *seconds);
 
 /* ---- R16 layouts (r16.c): 16 rows interleaved block by block for the AVX-512 VNNI decode
- * kernels (Q4_K, Q5_K, Q4_0, Q5_0, Q8_0, Q6_K; layout in r16.c). A group of 16 rows takes 16 * row_bytes bytes.
+ * kernels (Q4_K, Q5_K, Q4_0, Q5_0, Q8_0, Q6_K, IQ4_XS; layout in r16.c). A group of 16 rows takes 16 * row_bytes bytes.
  * repack: n_experts matrices of `rows` GGML rows (src_rb bytes each, src_es bytes from one
  * expert's first row to the next) -> dst, experts back to back (rows % 16 == 0), over the pool
  * (NULL: the calling thread). dequant: rows R16 rows -> dst [rows, n] f32 (GGML's values).

@@ -25,6 +25,10 @@
  *     [320, 832)   h[32][2]: 64-bit masks, bit 4r+b = the fifth bit of value 8c+b (h[c][0]) and
  *                  of value 8c+4+b (h[c][1]) of row r
  *     [832, 2880)  q[32][16][4]: as Q4_K's nibbles
+ *   IQ4_XS (GB 2208 = 16 x 138; GGUF 16 x 136):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 160)    sc[4][16][2]: the scales (6-bit, minus 32: int8) of sub-blocks 2p and 2p+1 of row r
+ *     [160, 2208)  q[32][16][4]: as Q4_K's nibbles, each an index into the non-linear grid
  *   Q4_0 (GB 288 = 16 x 18):
  *     [0, 32)      d[16]    fp16
  *     [32, 288)    q[4][16][4]: as Q5_0's nibbles
@@ -44,7 +48,7 @@
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
  *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
  *
- * Q4_0, Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K by 2.3%), which costs less
+ * Q4_0, Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K 2.3%, IQ4_XS 1.5%), which costs less
  * than unpacking 6-bit scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
  * a group gives exactly the floats GGML's dequantization gives (tested). */
 #include "ktk_int.h"
@@ -57,6 +61,7 @@ static int group_bytes(int type) {
     case KTK_Q4_K: return 2368;
     case KTK_Q5_K: return 2880;
     case KTK_Q4_0: return 288;
+    case KTK_IQ4_XS: return 2208;
     case KTK_Q5_0: return 352;
     case KTK_Q8_0: return 544;
     case KTK_Q6_K: return 3360;
@@ -73,6 +78,15 @@ int64_t ktk_r16_row_bytes(int type, int64_t n) {
 }
 
 /* ---- repacking ---- */
+
+/* groups of 16 bytes, each 32 values: the low nibbles, then the high ones (Q4_0, IQ4_XS's sub-blocks) */
+static void split_nibbles(const uint8_t *qs, int groups, uint8_t *v) {
+    for (int g = 0; g < groups; g++)
+        for (int j = 0; j < 16; j++) {
+            v[32 * g + j] = qs[16 * g + j] & 0xF;
+            v[32 * g + 16 + j] = qs[16 * g + j] >> 4;
+        }
+}
 
 /* The values of one GGML block, unsigned (Q4_0 / Q4_K 4 bits, Q5_0 / Q5_K 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
  * in the block's value order: unpacked once per row, then scattered into the R16 block. */
@@ -96,14 +110,8 @@ static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
             }
         break;
     }
-    case KTK_Q4_0: {
-        const blk_q4_0 *x = (const blk_q4_0 *)b;
-        for (int l = 0; l < 16; l++) {
-            v[l] = x->qs[l] & 0xF;
-            v[l + 16] = x->qs[l] >> 4;
-        }
-        break;
-    }
+    case KTK_Q4_0: split_nibbles(((const blk_q4_0 *)b)->qs, 1, v); break;
+    case KTK_IQ4_XS: split_nibbles(((const blk_iq4_xs *)b)->qs, 8, v); break;   /* the grid indices */
     case KTK_Q5_0: {
         const blk_q5_0 *x = (const blk_q5_0 *)b;
         uint32_t qh;
@@ -171,6 +179,13 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
             memcpy(dst + 2 * r, b, 2);
             for (int c = 0; c < 4; c++)
                 for (int k = 0; k < 4; k++) q[32 + 64 * c + k] = (uint8_t)(v[8 * c + k] | v[8 * c + 4 + k] << 4);
+            break;
+        case KTK_IQ4_XS:
+            memcpy(dst + 2 * r, b, 2);
+            for (int s = 0; s < 8; s++)
+                dst[32 + 32 * (s / 2) + 2 * r + (s & 1)] = (uint8_t)(int8_t)ktk_iq4xs_scale((const blk_iq4_xs *)b, s);
+            for (int c = 0; c < 32; c++)
+                for (int k = 0; k < 4; k++) q[160 + 64 * c + k] = (uint8_t)(v[8 * c + k] | v[8 * c + 4 + k] << 4);
             break;
         case KTK_Q5_0: {
             memcpy(dst + 2 * r, b, 2);
@@ -248,10 +263,10 @@ static inline int r16_value(int type, const uint8_t *b, int r, int v) {
     if (type == KTK_Q8_0) return b[32 + 64 * (v / 4) + 4 * r + v % 4];
     const int c = v / 8, k = v % 8 & 3, high = v % 8 >= 4;
     const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96
-                 : type == KTK_Q4_0 ? 32 : 288;
+                 : type == KTK_Q4_0 ? 32 : type == KTK_IQ4_XS ? 160 : 288;
     const uint8_t q = b[qo + 64 * c + 4 * r + k];
     const int lo = high ? q >> 4 : q & 0xF;
-    if (type == KTK_Q4_K || type == KTK_Q4_0) return lo;
+    if (type == KTK_Q4_K || type == KTK_Q4_0 || type == KTK_IQ4_XS) return lo;   /* IQ4_XS: the grid index */
     if (type == KTK_Q5_0 || type == KTK_Q5_K) {
         const int bit = 4 * r + k, mo = type == KTK_Q5_0 ? 32 : 320;
         return lo | ((b[mo + 16 * c + 8 * high + bit / 8] >> (bit % 8)) & 1) << 4;
@@ -265,9 +280,9 @@ static inline float r16_f16(const uint8_t *p) {
     return ktk_f16_to_f32(h);
 }
 
-/* the scale of sub-block s: Q4_K / Q5_K (32 values, 6-bit), Q6_K (16 values, int8) */
+/* the scale of sub-block s: Q4_K / Q5_K (32 values, 6-bit), Q6_K (16 values, int8), IQ4_XS (32, int8) */
 static inline int r16_scale(int type, const uint8_t *b, int r, int s) {
-    return type != KTK_Q6_K ? b[64 + 16 * s + r] : (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)];
+    return type == KTK_Q6_K || type == KTK_IQ4_XS ? (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)] : b[64 + 16 * s + r];
 }
 static inline int r16_q4k_min(const uint8_t *b, int r, int s) { return b[192 + 32 * (s / 2) + 2 * r + (s & 1)]; }
 
@@ -288,6 +303,7 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
                 case KTK_Q6_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 32); break;
                 case KTK_Q5_0: y[v] = d * (float)(q - 16); break;
                 case KTK_Q4_0: y[v] = d * (float)(q - 8); break;
+                case KTK_IQ4_XS: y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)ktk_kvalues_iq4nl[q]; break;
                 default: y[v] = d * (float)(q - 128);
                 }
             }
@@ -305,6 +321,16 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
 /* one block of row r against its activations: integer sums exactly as the SIMD kernels, the same float steps */
 static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int64_t n, int64_t i) {
     const float d = r16_f16(b + 2 * r);
+    if (type == KTK_IQ4_XS) {   /* grid values times the activations, per 32-value sub-block and scale */
+        const ktk_q8k *y = ktk_act_k(xq, n) + i;
+        int32_t si = 0;
+        for (int s = 0; s < 8; s++) {
+            int32_t dot = 0;
+            for (int v = 32 * s; v < 32 * (s + 1); v++) dot += ktk_kvalues_iq4nl[r16_value(type, b, r, v)] * y->q[v];
+            si += dot * r16_scale(type, b, r, s);
+        }
+        return (float)si * (d * y->d);
+    }
     if (type == KTK_Q4_K || type == KTK_Q5_K || type == KTK_Q6_K) {
         const ktk_q8k *y = ktk_act_k(xq, n) + i;
         const int S = type == KTK_Q6_K ? 16 : 32;   /* values per sub-block */
@@ -341,7 +367,7 @@ static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *c
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 
 /* How the kernels read memory (defaults: r16_defaults; read once by ktk_r16_init): */
-enum { PF_Q4K, PF_Q5K, PF_Q4_0, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_TYPES };
+enum { PF_Q4K, PF_Q5K, PF_Q4_0, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_IQ4XS, PF_TYPES };
 static int g_init = 0;
 static int g_pf[PF_TYPES];   /* software prefetch distance in bytes per type ($KTINJECT_R16_PF: all; 0: none) */
 static int g_l2 = 0;         /* 1: prefetch into L2 (prefetcht1), 0: into L1 ($KTINJECT_R16_PF_L2) */
@@ -486,6 +512,39 @@ AVX512_INLINE __m512 r16_q4_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(x->d))) + accf;
 }
 
+/* IQ4_XS: the grid as unsigned bytes (+128) looked up by vpshufb, so the dot takes them as vpdpbusd's
+ * unsigned operand; the +128 comes off as 128 * sum_s scale_s * (the sub-block's activation sum) */
+AVX512_INLINE __m512 r16_iq4xs(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i grid = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                              (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
+    __m512i acc = _mm512_setzero_si512(), cacc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {   /* sub-blocks 2p and 2p + 1 */
+        const __m512i scp = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(g + 32 + 32 * p)));
+        __m512i a[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            a[h] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int c = 8 * p + 4 * h; c < 8 * p + 4 * h + 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(g + 160 + 64 * c));
+                a[h] = _mm512_dpbusd_epi32(a[h], _mm512_shuffle_epi8(grid, _mm512_and_si512(v, m4)), bcast4(y->q + 8 * c));
+                a[h] = _mm512_dpbusd_epi32(a[h], _mm512_shuffle_epi8(grid, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)),
+                                           bcast4(y->q + 8 * c + 4));
+            }
+        }
+        const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(scp, 16), 16), sc1 = _mm512_srai_epi32(scp, 16);
+        acc = _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_mullo_epi32(a[0], sc0), _mm512_mullo_epi32(a[1], sc1)));
+        const uint32_t pair = (uint16_t)(y->bsums[4 * p] + y->bsums[4 * p + 1]) |
+                              (uint32_t)(uint16_t)(y->bsums[4 * p + 2] + y->bsums[4 * p + 3]) << 16;
+        cacc = _mm512_dpwssd_epi32(cacc, scp, _mm512_set1_epi32((int)pair));
+    }
+    const __m512i si = _mm512_sub_epi32(acc, _mm512_slli_epi32(cacc, 7));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(y->d))) + accf;
+}
+
 AVX512_INLINE __m512 r16_q8_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -528,13 +587,14 @@ R16_DRIVER(dot_q4_0_avx512, r16_q4_0, 288, 32, PF_Q4_0, xq[p] + bi)
 R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, PF_Q5_0, xq[p] + bi)
 R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, PF_Q8_0, xq[p] + bi)
 R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_iq4xs_avx512, r16_iq4xs, 2208, 256, PF_IQ4XS, ktk_act_k(xq[p], n) + bi)
 #undef R16_DRIVER
 
 /* The knobs, read once from the environment (by ktk_moe_new and ktk_r16_gemv, before any worker
  * runs a kernel: the workers only read them). */
 /* Defaults by vendor, as measured (docs/native.md). The lent Xeon (Sapphire Rapids): every type
  * 1 KiB ahead into L1, two segments per pair (seventh session). A Zen 4: one segment, and into L2
- * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_K, Q4_0, Q5_0, Q6_K: 1.4-2.3x their
+ * 4 KiB ahead for the types with the most arithmetic per byte (Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS: 1.4-2.3x their
  * phases at one thread), none for Q8_0, which read fastest with none (twenty-fifth session). Other
  * vendors get Intel's. */
 static void r16_defaults(int pf[PF_TYPES], int *l2, int *split) {
@@ -567,7 +627,8 @@ void ktk_r16_init(void) {
 
 int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split) {
     const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_K ? PF_Q5K : type == KTK_Q4_0 ? PF_Q4_0
-                : type == KTK_Q5_0 ? PF_Q5_0 : type == KTK_Q8_0 ? PF_Q8_0 : type == KTK_Q6_K ? PF_Q6K : -1;
+                : type == KTK_Q5_0 ? PF_Q5_0 : type == KTK_Q8_0 ? PF_Q8_0 : type == KTK_Q6_K ? PF_Q6K
+                : type == KTK_IQ4_XS ? PF_IQ4XS : -1;
     if (t < 0) return KTK_EINVAL;
     ktk_r16_init();
     if (pf_bytes) *pf_bytes = g_pf[t];
@@ -586,6 +647,7 @@ void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8
         case KTK_Q5_0: dot_q5_0_avx512(P, g, xq, n, out); return;
         case KTK_Q8_0: dot_q8_0_avx512(P, g, xq, n, out); return;
         case KTK_Q6_K: dot_q6k_avx512(P, g, xq, n, out); return;
+        case KTK_IQ4_XS: dot_iq4xs_avx512(P, g, xq, n, out); return;
         default: break;
         }
     }

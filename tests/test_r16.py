@@ -23,8 +23,8 @@ from test_native_util import dequant, moe_case, rand_rows, ref_moe, rel_err
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
 ISAS = native.usable_isas() if native.available() else []
-R16 = [QT.Q4_K, QT.Q5_K, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K]
-N = {QT.Q4_K: 512, QT.Q5_K: 512, QT.Q4_0: 96, QT.Q5_0: 96, QT.Q8_0: 128, QT.Q6_K: 512}
+R16 = [QT.Q4_K, QT.Q5_K, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K, QT.IQ4_XS]
+N = {QT.Q4_K: 512, QT.Q5_K: 512, QT.Q4_0: 96, QT.Q5_0: 96, QT.Q8_0: 128, QT.Q6_K: 512, QT.IQ4_XS: 512}
 
 
 def _vendor() -> str:
@@ -74,15 +74,15 @@ def test_r16_gemv(isa, qt, T):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qt,dqt", [(QT.Q4_K, QT.Q5_0), (QT.Q8_0, QT.Q8_0), (QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q5_K),
-                                    (QT.Q5_K, QT.Q4_0), (QT.Q4_0, QT.IQ4_XS)],
-                         ids=["q4_k+q5_0", "q8_0", "q4_k+q6_k", "q6_k+q5_k", "q5_k+q4_0", "q4_0+iq4_xs"])
+                                    (QT.Q5_K, QT.Q4_0), (QT.IQ4_XS, QT.IQ4_XS), (QT.Q4_0, QT.BF16)],
+                         ids=["q4_k+q5_0", "q8_0", "q4_k+q6_k", "q6_k+q5_k", "q5_k+q4_0", "iq4_xs", "q4_0+bf16"])
 @pytest.mark.parametrize("T,tile_min", [(1, 4), (6, 100000), (64, 4)], ids=["decode", "rowdot-T6", "grouped-T64"])
 def test_moe_kernel_repacked(isa, qt, dqt, T, tile_min, monkeypatch):
     monkeypatch.setenv("KTINJECT_TILE_MIN", str(tile_min))
     (gate, up, down), (G, U, D) = moe_case(qt, dqt, E=6)
     kern = native.MoEKernel(gate, up, down, threads=2, isa=isa, repack=True)
-    # IQ4_XS has no R16 layout: its down stays GGUF rows beside repacked gate / up
-    assert kern.repacked == (("gate", "up", "down") if dqt != QT.IQ4_XS else ("gate", "up"))
+    # BF16 has no R16 layout: its down stays in its rows beside repacked gate / up
+    assert kern.repacked == (("gate", "up", "down") if dqt != QT.BF16 else ("gate", "up"))
     plain = native.MoEKernel(gate, up, down, threads=2, isa=isa, repack=False)
     assert plain.repacked == ()
     x = torch.randn(T, 256)
@@ -96,10 +96,10 @@ def test_moe_kernel_repacked(isa, qt, dqt, T, tile_min, monkeypatch):
 
 def test_auto_repack_follows_the_isa_the_types_and_the_env(monkeypatch):
     """auto: AVX-512 / AMX only, and only the types measured faster from memory (Q5_0, Q8_0; on AMD,
-    whose R16 kernels prefetch into L2, Q4_K, Q5_K, Q4_0 and Q6_K too)."""
+    whose R16 kernels prefetch into L2, every type with the layout)."""
     monkeypatch.delenv("KTINJECT_REPACK", raising=False)
     amd = _vendor() in ("AuthenticAMD", "HygonGenuine")
-    assert nmoe.auto_types() == ((12, 13, 2, 6, 8, 14) if amd else (6, 8))
+    assert nmoe.auto_types() == ((12, 13, 2, 6, 8, 14, 23) if amd else (6, 8))
     (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=2)
     (g8, u8, d8), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2)
     assert native.MoEKernel(gate, up, down, threads=1, isa="scalar").repacked == ()
@@ -135,9 +135,9 @@ def test_auto_repack_short_of_ram_keeps_the_base_types(monkeypatch, caplog):
 
 
 def test_bad_input_names_the_problem():
-    w0 = rand_rows(QT.IQ4_XS, 16, 256, seed=1)
+    w0 = rand_rows(QT.BF16, 16, 256, seed=1)
     with pytest.raises(NativeError, match="no R16 layout"):
-        native.repack_r16(native.ExpertMatrix(int(QT.IQ4_XS), w0, 1, 16, 256, "down"))
+        native.repack_r16(native.ExpertMatrix(int(QT.BF16), w0, 1, 16, 256, "down"))
     w = rand_rows(QT.Q4_K, 24, 256, seed=1)
     with pytest.raises(NativeError, match="not a multiple of 16"):
         native.repack_r16(native.ExpertMatrix(int(QT.Q4_K), w, 1, 24, 256, "gate"))
@@ -159,7 +159,7 @@ def test_bad_input_names_the_problem():
 def test_c_side_refuses_bad_r16_descriptors():
     """The flags are checked in C too: gate without up, a type without the layout, GGUF row sizes."""
     lib, ffi = native.load()
-    (gate, up, down), _ = moe_case(QT.Q4_K, QT.IQ4_XS, E=2)
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.BF16, E=2)
     rg, ru = native.repack_r16(gate), native.repack_r16(up)
     (_, up8, _), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2, seed=5)       # a valid Q8_0 up and its R16 copy
     ru8 = native.repack_r16(up8)
@@ -181,7 +181,7 @@ def test_c_side_refuses_bad_r16_descriptors():
         ok = lib.ktk_moe_new(good, err)
         assert ok != ffi.NULL and err[0] == 0
         lib.ktk_moe_free(ok)
-    # gate without up; an IQ4_XS down (no R16 layout) with an R16 copy; gate (Q4_K) and up (Q8_0) both
+    # gate without up; a BF16 down (no R16 layout) with an R16 copy; gate (Q4_K) and up (Q8_0) both
     # repacked but of two types
     for bad in (desc(u16=None), desc(d16=rg), desc(u16=ru8, up_m=up8)):
         assert lib.ktk_moe_new(bad, err) == ffi.NULL and err[0] == lib.KTK_EINVAL
@@ -198,11 +198,11 @@ def test_repack_on_a_path_without_the_kernels_warns(caplog):
 
 
 def test_repack_on_names_what_stays_in_gguf_rows(caplog):
-    (gate, up, down), _ = moe_case(QT.Q4_K, QT.IQ4_XS, E=2)
+    (gate, up, down), _ = moe_case(QT.Q4_K, QT.BF16, E=2)
     nmoe._warned.clear()
     with caplog.at_level("WARNING", logger="ktinject.native.moe"):
         assert native.MoEKernel(gate, up, down, threads=1, repack=True).repacked == ("gate", "up")
-    assert "down (down) stays in GGUF rows: GGML type 23 has no R16 layout" in caplog.text
+    assert "down (down) stays in GGUF rows: GGML type 30 has no R16 layout" in caplog.text
 
 
 def test_repack_mode(monkeypatch):
@@ -222,7 +222,7 @@ from gguf import GGMLQuantizationType as QT
 from ktinject import native
 from test_native_util import rand_rows
 out = {"stream": native.r16_stream(), "y": {}}
-for qt, n in ((QT.Q4_K, 1024), (QT.Q5_K, 1024), (QT.Q4_0, 256), (QT.Q5_0, 256), (QT.Q8_0, 256), (QT.Q6_K, 1024)):
+for qt, n in ((QT.Q4_K, 1024), (QT.Q5_K, 1024), (QT.IQ4_XS, 1024), (QT.Q4_0, 256), (QT.Q5_0, 256), (QT.Q8_0, 256), (QT.Q6_K, 1024)):
     w = rand_rows(qt, 32, n, seed=9)
     r = native.repack_r16(native.ExpertMatrix(int(qt), w, 1, 32, n))
     torch.manual_seed(1)
@@ -246,8 +246,8 @@ def test_r16_stream_defaults_and_overrides():
 
     vendor = _vendor()
     amd = vendor in ("AuthenticAMD", "HygonGenuine")
-    default = ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K 4096 B ahead; Q8_0 none; 1 segment a pair (the AMD defaults)"
-               if amd else "prefetch into L1: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, Q8_0 1024 B ahead; 2 segments a pair (the "
+    default = ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS 4096 B ahead; Q8_0 none; 1 segment a pair (the AMD defaults)"
+               if amd else "prefetch into L1: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 1024 B ahead; 2 segments a pair (the "
                + ("Intel" if vendor == "GenuineIntel" else "default") + " defaults)")
     here = Path(__file__).parent
     runs = {}
@@ -260,9 +260,9 @@ def test_r16_stream_defaults_and_overrides():
         runs[tuple(cfg.items())] = json.loads(res.stdout.strip().splitlines()[-1])
     streams = [r["stream"] for r in runs.values()]
     assert streams[0] == default
-    assert streams[1] == ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, Q8_0 512 B ahead; 4 segments a pair "
+    assert streams[1] == ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 512 B ahead; 4 segments a pair "
                           "(set by $KTINJECT_R16_PF and $KTINJECT_R16_PF_L2 and $KTINJECT_R16_SPLIT)")
-    assert streams[2] == ("prefetch into " + ("L2" if amd else "L1") + ": Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, Q8_0 none; 2 segments "
+    assert streams[2] == ("prefetch into " + ("L2" if amd else "L1") + ": Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 none; 2 segments "
                           "a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)")
     assert streams[3] == default.split(" (")[0] + " (set by $KTINJECT_R16_SPLIT='9' ignored: not 1-4)"
     base = runs[()]["y"]
