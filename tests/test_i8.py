@@ -255,8 +255,9 @@ def test_bench_int8_group_flag():
 def test_bench_counts_the_bytes_each_path_reads():
     from ktinject.cli.bench import _route_bytes
     ids = torch.tensor([[0, 1]] * 5 + [[2, 3]])           # experts 0, 1: 5 tokens (grouped); 2, 3: 1 token
-    assert _route_bytes(ids, 8, 100, 0) == 400
-    assert _route_bytes(ids, 8, 100, 180) == 2 * 100 + 2 * 180
+    assert _route_bytes(ids, 8, 100, 100) == 400
+    assert _route_bytes(ids, 8, 100, 180) == 2 * 100 + 2 * 180     # I8 copies on the grouped path
+    assert _route_bytes(ids, 8, 103, 100) == 2 * 103 + 2 * 100     # R16 copies on the row dots
 
 
 @pytest.mark.skipif(not AMX_INT8, reason="needs AMX-INT8 (Sapphire Rapids or later) with tile permission")

@@ -247,13 +247,15 @@ def bench_experts(args) -> int:
             int8 = bool(kernels[0].int8_copies)
             i8_bytes = (2 * native.i8_expert_bytes(I, H, groups[0], args.int8_bits)
                         + native.i8_expert_bytes(H, I, groups[1], args.int8_bits))
+            dot_bytes = sum(m.rows * (native.r16_row_bytes(m.ggml_type, m.cols) if name in kernels[0].repacked
+                                      else m.data.shape[1]) for name, m in zip(("gate", "up", "down"), layers[0]))
             if args.int8 and not int8:
                 raise KtInjectError("--int8: no I8 copies were made (the log says why); they need the amx path "
                                     "on a CPU with AMX-INT8")
             for T in batches:
                 x = torch.randn(T, H)
                 routes = [random_routing(T, E, k, seed) for seed in range(4)]
-                route_bytes = [_route_bytes(ids, E, expert_bytes, i8_bytes if int8 else 0) for ids, _ in routes]
+                route_bytes = [_route_bytes(ids, E, dot_bytes, i8_bytes if int8 else expert_bytes) for ids, _ in routes]
                 for i, kern in enumerate(kernels):          # warm up every layer once
                     kern(x, *routes[i % 4])
                 tiles_before = probe_amx_gemm(pool) if isa_name == "amx" else None
@@ -305,20 +307,19 @@ def bench_experts(args) -> int:
 MAX_CALLS = 100000      # per round
 
 
-def _route_bytes(ids, E: int, expert_bytes: int, i8_bytes: int) -> int:
-    """Weight bytes one layer call reads: every routed expert's GGUF rows, or, with I8 copies, those
-    copies for the experts that take the grouped path (>= 4 tokens, $KTINJECT_TILE_MIN)."""
+def _route_bytes(ids, E: int, dot_bytes: int, grouped_bytes: int) -> int:
+    """Weight bytes one layer call reads: per routed expert, what its path reads: the row dots
+    (fewer than 4 tokens, $KTINJECT_TILE_MIN) `dot_bytes` (GGUF rows, or R16 copies where made), the
+    grouped path `grouped_bytes` (GGUF rows, or I8 copies)."""
     import torch
     counts = torch.bincount(ids.flatten(), minlength=E)
     used = int((counts > 0).sum())
-    if not i8_bytes:
-        return used * expert_bytes
     try:
         tile_min = max(1, int(os.environ.get("KTINJECT_TILE_MIN", "4")))
     except ValueError:
         tile_min = 4
     grouped = int((counts >= tile_min).sum())
-    return (used - grouped) * expert_bytes + grouped * i8_bytes
+    return (used - grouped) * dot_bytes + grouped * grouped_bytes
 
 
 def _timed_calls(args, kernels, x, routes, route_bytes) -> tuple[float, int, int]:
