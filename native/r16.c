@@ -516,8 +516,8 @@ AVX512_INLINE __m512 r16_q4_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
  * unsigned operand; the +128 comes off as 128 * sum_s scale_s * (the sub-block's activation sum) */
 AVX512_INLINE __m512 r16_iq4xs(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i grid = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
-                                                              (char)153, (char)166, (char)181, (char)197, (char)217, (char)241));
+    const __m512i grid = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)ktk_kvalues_iq4nl),
+                                                              _mm_set1_epi8((char)0x80)));   /* + 128 */
     __m512i acc = _mm512_setzero_si512(), cacc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {   /* sub-blocks 2p and 2p + 1 */

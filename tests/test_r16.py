@@ -252,7 +252,8 @@ def test_r16_stream_defaults_and_overrides():
     here = Path(__file__).parent
     runs = {}
     for cfg in ({}, {"KTINJECT_R16_PF": "512", "KTINJECT_R16_SPLIT": "4", "KTINJECT_R16_PF_L2": "1"},
-                {"KTINJECT_R16_PF": "0", "KTINJECT_R16_SPLIT": "2"}, {"KTINJECT_R16_SPLIT": "9"}):
+                {"KTINJECT_R16_PF": "0", "KTINJECT_R16_SPLIT": "2"}, {"KTINJECT_R16_SPLIT": "9"},
+                {"KTINJECT_R16_PF": "+-5"}):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KTINJECT_R16_")}
         env.update(cfg, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")]))
         res = subprocess.run([sys.executable, "-c", _STREAM_CHILD], env=env, capture_output=True, text=True, timeout=120)
@@ -265,6 +266,7 @@ def test_r16_stream_defaults_and_overrides():
     assert streams[2] == ("prefetch into " + ("L2" if amd else "L1") + ": Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 none; 2 segments "
                           "a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)")
     assert streams[3] == default.split(" (")[0] + " (set by $KTINJECT_R16_SPLIT='9' ignored: not 1-4)"
+    assert streams[4] == default.split(" (")[0] + " (set by $KTINJECT_R16_PF='+-5' ignored: not 0-65536)"
     base = runs[()]["y"]
     for r in runs.values():
         for name, y in r["y"].items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from typing import Optional
 
@@ -167,8 +168,8 @@ def r16_stream() -> str:
     notes = []
     for k, lo, hi in (("KTINJECT_R16_PF", 0, 65536), ("KTINJECT_R16_PF_L2", 0, 1), ("KTINJECT_R16_SPLIT", 1, 4)):
         v = os.environ.get(k)
-        if v is not None:   # as native/r16.c reads it: a whole decimal number in range, else the default
-            ok = v.strip().lstrip("+-").isdigit() and lo <= int(v) <= hi
+        if v is not None:   # as native/r16.c reads it (strtol, then spaces): a decimal number in range, else the default
+            ok = re.fullmatch(r"[ \t\n\v\f\r]*[+-]?[0-9]+ *", v) is not None and lo <= int(v) <= hi
             notes.append(f"${k}" if ok else f"${k}={v!r} ignored: not {lo}-{hi}")
     vendor = {lib.KTK_VENDOR_INTEL: "Intel", lib.KTK_VENDOR_AMD: "AMD"}.get(lib.ktk_cpu_vendor(), "default")
     why = f"set by {' and '.join(notes)}" if notes else f"the {vendor} defaults"
