@@ -34,7 +34,8 @@ static void fill(int type, uint8_t *p, int64_t rows, int64_t n) {
     for (int64_t b = 0; b < rows * (n / bs); b++) {
         uint8_t *blk = p + b * ts;
         uint16_t d = f16(0.002f + 0.01f * (float)(rnd() % 1000) / 1000.f);
-        if (type == KTK_Q6_K) memcpy(blk + ts - 2, &d, 2);
+        if (type == KTK_Q6_K || type == KTK_Q3_K) memcpy(blk + ts - 2, &d, 2);
+        else if (type == KTK_Q2_K) { memcpy(blk + ts - 4, &d, 2); memcpy(blk + ts - 2, &d, 2); }
         else { memcpy(blk, &d, 2); if (type == KTK_Q4_K || type == KTK_Q5_K) memcpy(blk + 2, &d, 2); }
     }
 }

@@ -21,6 +21,8 @@
 #define KTK_Q4_0 2
 #define KTK_Q5_0 6
 #define KTK_Q8_0 8
+#define KTK_Q2_K 10
+#define KTK_Q3_K 11
 #define KTK_Q4_K 12
 #define KTK_Q5_K 13
 #define KTK_Q6_K 14

@@ -30,6 +30,12 @@ static inline const ktk_q8k *ktk_act_k(const ktk_q8 *xq, int64_t n) { return (co
 typedef struct { uint16_t d; uint8_t qs[16]; } blk_q4_0;                      /* 18 bytes */
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;             /* 22 bytes */
 typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;                       /* 34 bytes */
+/* Q2_K: 16 sub-blocks of 16 values; scales[j] = 4-bit scale sc | 4-bit min m << 4; value v = 128n + 32s + l
+ * (l < 32, sub-block v / 16) is q = bits 2s, 2s+1 of qs[32n + l]: w = d * sc * q - dmin * m */
+typedef struct { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; } blk_q2_k;                 /* 84 */
+/* Q3_K: 16 sub-blocks of 16 values, 6-bit scales (minus 32) packed in 12 bytes (ktk_q3k_scales); value
+ * v = 128n + 32s + l: low bits 2s, 2s+1 of qs[32n + l], bit 2 from bit 4n + s of hmask[l]; w = d * sc * (q - 4) */
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; } blk_q3_k;   /* 110 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_k;           /* 144 */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_k;  /* 176 */
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_k;   /* 210 */
@@ -93,7 +99,7 @@ typedef struct {
      * for every 4 values k .. k+3, the 16 tokens' 4 bytes (64 bytes); ps + (g * K / 32 + b) * 64
      * holds block b's 16 values of d, then of d * sum(q) over its 32 values, over its first 16 and
      * over its last 16 (zeros past nt). rows_u8: nrows GGML rows (rb bytes apart) to bytes
-     * U[r * K + k] and, per row r and group j of G values (ktk_u8_group: 16 for Q6_K, else 32),
+     * U[r * K + k] and, per row r and group j of G values (ktk_u8_group: 16 for Q2_K, Q3_K, Q6_K, else 32),
      * S and Mn at [r * K / G + j] with weight = S * U + Mn (S, Mn the f32 dequantization's own
      * products). gemm_q8: C[r * ldc + t] = sum over groups of S * d * (U . q) + Mn * d * sum(q),
      * for r < R (R % 4 == 0) and t < nt rounded up to 16 (ldc >= that); flags: ktk_u8_flags. */
@@ -110,9 +116,11 @@ typedef struct {
 #define KTK_Q8_U4 1    /* gemm_q8 flags: every U <= 15 */
 #define KTK_Q8_G16 2   /* S, Mn per 16 values */
 #define KTK_Q8_U8 4    /* U up to 255 (offset 8-bit types) */
-static inline int ktk_u8_group(int type) { return type == KTK_Q6_K ? 16 : 32; }   /* values per S, Mn */
+static inline int ktk_u8_group(int type) {   /* values per S, Mn */
+    return type == KTK_Q6_K || type == KTK_Q2_K || type == KTK_Q3_K ? 16 : 32;
+}
 static inline int ktk_u8_flags(int type) {   /* the gemm_q8 flags of a u8 type (U <= 31 otherwise) */
-    return (type == KTK_Q4_0 || type == KTK_Q4_K ? KTK_Q8_U4 : 0) | (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0) |
+    return (type == KTK_Q4_0 || type == KTK_Q4_K || type == KTK_Q2_K || type == KTK_Q3_K ? KTK_Q8_U4 : 0) | (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0) |
            (type == KTK_Q8_0 || type == KTK_IQ4_XS ? KTK_Q8_U8 : 0);
 }
 void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
@@ -147,6 +155,18 @@ static inline void ktk_scale_min_k4_all(const uint8_t *q, uint32_t w[4]) {
 static inline void ktk_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
     else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+/* The 16 six-bit scales of a Q3_K block (0..63; the scale is the value - 32) as the bytes of four words:
+ * byte j of w[k] is scale 4k + j. Bytes 0-7 of the field hold the low nibbles (scale j < 8 in the low half
+ * of byte j, scale j + 8 in its high half); byte 8 + j % 4 holds the top two bits of scale j at bits
+ * 2 * (j / 4). */
+static inline void ktk_q3k_scales(const uint8_t *s, uint32_t w[4]) {
+    uint32_t a0, a1, a2;
+    memcpy(&a0, s, 4); memcpy(&a1, s + 4, 4); memcpy(&a2, s + 8, 4);
+    w[0] = (a0 & 0x0f0f0f0fu) | ((a2 << 4) & 0x30303030u);
+    w[1] = (a1 & 0x0f0f0f0fu) | ((a2 << 2) & 0x30303030u);
+    w[2] = ((a0 >> 4) & 0x0f0f0f0fu) | (a2 & 0x30303030u);
+    w[3] = ((a1 >> 4) & 0x0f0f0f0fu) | ((a2 >> 2) & 0x30303030u);
 }
 void ktk_dequant_block(int type, const uint8_t *blk, float *dst);   /* one block */
 void ktk_quant_act_scalar(const float *x, ktk_q8 *q, int64_t n);

@@ -194,7 +194,7 @@ static uint64_t stream_avx2(const uint8_t *p, size_t n) {
 }
 
 /* The grouped path in 8-bit integers (ktk_kernels.gemm_q8), for 4-, 5- and 6-bit weights
- * (u8_types: Q4_0, Q5_0, Q4_K, Q5_K in groups of 32, Q6_K in groups of 16; bytes <= 63, so
+ * (u8_types: Q4_0, Q5_0, Q4_K, Q5_K in groups of 32, Q2_K, Q3_K, Q6_K in groups of 16; bytes <= 63, so
  * maddubs's i16 pair sums, <= 2 * 63 * 127, cannot saturate. Q8_0's and IQ4_XS's offset bytes, up
  * to 255, could: they stay on f32 panels). 4 rows x one 16-token panel (two halves of 8). The i16
  * pair sums of `steps` 4-value steps are added in i16 before one widening madd: 8 steps for 4-bit
@@ -277,11 +277,12 @@ KTK_DOTN_LOOP(dotn_f32_avx2, dot_f32_avx2, KTK_F32)
 
 const ktk_kernels ktk_kernels_avx2 = {
     .dot = {[KTK_F32] = dot_f32_avx2, [KTK_F16] = dot_f16_avx2, [KTK_BF16] = dot_bf16_avx2,
-            [KTK_Q4_0] = dot_q4_0_avx2, [KTK_Q5_0] = dot_q5_0_avx2, [KTK_Q8_0] = dot_q8_0_avx2, [KTK_Q4_K] = dot_q4_k_avx2,
+            [KTK_Q4_0] = dot_q4_0_avx2, [KTK_Q5_0] = dot_q5_0_avx2, [KTK_Q8_0] = dot_q8_0_avx2, [KTK_Q2_K] = dot_q2_k_avx2, [KTK_Q3_K] = dot_q3_k_avx2,
+            [KTK_Q4_K] = dot_q4_k_avx2,
             [KTK_Q5_K] = dot_q5_k_avx2, [KTK_Q6_K] = dot_q6_k_avx2, [KTK_IQ4_XS] = dot_iq4_xs_avx2},
     .dotn = {[KTK_F32] = dotn_f32_avx2, [KTK_F16] = dotn_f16_avx2, [KTK_BF16] = dotn_bf16_avx2,
              [KTK_Q4_0] = dotn_q4_0_avx2, [KTK_Q5_0] = dotn_q5_0_avx2, [KTK_Q8_0] = dotn_q8_0_avx2,
-             [KTK_Q4_K] = dotn_q4_k_avx2, [KTK_Q5_K] = dotn_q5_k_avx2, [KTK_Q6_K] = dotn_q6_k_avx2, [KTK_IQ4_XS] = dotn_iq4_xs_avx2},
+             [KTK_Q2_K] = dotn_q2_k_avx2, [KTK_Q3_K] = dotn_q3_k_avx2, [KTK_Q4_K] = dotn_q4_k_avx2, [KTK_Q5_K] = dotn_q5_k_avx2, [KTK_Q6_K] = dotn_q6_k_avx2, [KTK_IQ4_XS] = dotn_iq4_xs_avx2},
     .quant_act = quant_act_avx2,
     .gemm = gemm_avx2,
     .pack_f32 = pack_f32_avx2,
@@ -289,7 +290,7 @@ const ktk_kernels ktk_kernels_avx2 = {
     .pack_q8 = pack_q8_avx2,
     .rows_u8 = rows_u8_avx2,
     .gemm_q8 = gemm_q8_avx2,
-    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K | 1u << KTK_Q6_K,
+    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K | 1u << KTK_Q6_K | 1u << KTK_Q2_K | 1u << KTK_Q3_K,
     .dequant = dequant_avx2,
     .to_bf16 = to_bf16_avx2,
     .stream = stream_avx2,

@@ -235,18 +235,19 @@ KTK_DOTN_LOOP(dotn_f32_avx512, dot_f32_avx512, KTK_F32)
 
 const ktk_kernels ktk_kernels_avx512 = {
     .dot = {[KTK_F32] = dot_f32_avx512, [KTK_F16] = dot_f16_avx512, [KTK_BF16] = dot_bf16_avx512,
-            [KTK_Q4_0] = dot_q4_0_avx512, [KTK_Q5_0] = dot_q5_0_avx512, [KTK_Q8_0] = dot_q8_0_avx512, [KTK_Q4_K] = dot_q4_k_avx512,
+            [KTK_Q4_0] = dot_q4_0_avx512, [KTK_Q5_0] = dot_q5_0_avx512, [KTK_Q8_0] = dot_q8_0_avx512, [KTK_Q2_K] = dot_q2_k_avx512, [KTK_Q3_K] = dot_q3_k_avx512,
+            [KTK_Q4_K] = dot_q4_k_avx512,
             [KTK_Q5_K] = dot_q5_k_avx512, [KTK_Q6_K] = dot_q6_k_avx512, [KTK_IQ4_XS] = dot_iq4_xs_avx512},
     .dotn = {[KTK_F32] = dotn_f32_avx512, [KTK_F16] = dotn_f16_avx512, [KTK_BF16] = dotn_bf16_avx512,
              [KTK_Q4_0] = dotn_q4_0_avx512, [KTK_Q5_0] = dotn_q5_0_avx512, [KTK_Q8_0] = dotn_q8_0_avx512,
-             [KTK_Q4_K] = dotn_q4_k_avx512, [KTK_Q5_K] = dotn_q5_k_avx512, [KTK_Q6_K] = dotn_q6_k_avx512, [KTK_IQ4_XS] = dotn_iq4_xs_avx512},
+             [KTK_Q2_K] = dotn_q2_k_avx512, [KTK_Q3_K] = dotn_q3_k_avx512, [KTK_Q4_K] = dotn_q4_k_avx512, [KTK_Q5_K] = dotn_q5_k_avx512, [KTK_Q6_K] = dotn_q6_k_avx512, [KTK_IQ4_XS] = dotn_iq4_xs_avx512},
     .quant_act = quant_act_avx512,
     .gemm = gemm_avx512,
     .pack_f32 = pack_f32_avx512,
     .gemm_packed = gemm_packed_avx512,
     .pack_q8 = pack_q8_avx512,
     .rows_u8 = rows_u8_avx512,
-    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q8_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K | 1u << KTK_Q6_K |
+    .u8_types = 1u << KTK_Q4_0 | 1u << KTK_Q5_0 | 1u << KTK_Q8_0 | 1u << KTK_Q4_K | 1u << KTK_Q5_K | 1u << KTK_Q6_K | 1u << KTK_Q2_K | 1u << KTK_Q3_K |
                 1u << KTK_IQ4_XS,
     .gemm_q8 = gemm_q8_avx512,
     .dequant = dequant_avx512,

@@ -25,7 +25,7 @@ int ktk_type_block(int type) {
     switch (type) {
     case KTK_F32: case KTK_F16: case KTK_BF16: return 1;
     case KTK_Q4_0: case KTK_Q5_0: case KTK_Q8_0: return 32;
-    case KTK_Q4_K: case KTK_Q5_K: case KTK_Q6_K: case KTK_IQ4_XS: return 256;
+    case KTK_Q2_K: case KTK_Q3_K: case KTK_Q4_K: case KTK_Q5_K: case KTK_Q6_K: case KTK_IQ4_XS: return 256;
     default: return 0;
     }
 }
@@ -37,6 +37,8 @@ int ktk_type_size(int type) {
     case KTK_Q4_0: return (int)sizeof(blk_q4_0);
     case KTK_Q5_0: return (int)sizeof(blk_q5_0);
     case KTK_Q8_0: return (int)sizeof(blk_q8_0);
+    case KTK_Q2_K: return (int)sizeof(blk_q2_k);
+    case KTK_Q3_K: return (int)sizeof(blk_q3_k);
     case KTK_Q4_K: return (int)sizeof(blk_q4_k);
     case KTK_Q5_K: return (int)sizeof(blk_q5_k);
     case KTK_Q6_K: return (int)sizeof(blk_q6_k);
@@ -76,6 +78,29 @@ void ktk_dequant_block(int type, const uint8_t *b, float *y) {
     case KTK_Q8_0: {
         const blk_q8_0 *x = (const blk_q8_0 *)b; float d = ktk_f16_to_f32(x->d);
         for (int l = 0; l < 32; l++) y[l] = d * (float)x->qs[l];
+        break;
+    }
+    case KTK_Q2_K: {
+        const blk_q2_k *x = (const blk_q2_k *)b;
+        float d = ktk_f16_to_f32(x->d), dmin = ktk_f16_to_f32(x->dmin);
+        for (int v = 0; v < 256; v++) {
+            const int sub = v / 16, q = (x->qs[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
+            y[v] = d * (float)(x->scales[sub] & 0xF) * (float)q - dmin * (float)(x->scales[sub] >> 4);
+        }
+        break;
+    }
+    case KTK_Q3_K: {
+        const blk_q3_k *x = (const blk_q3_k *)b;
+        float d = ktk_f16_to_f32(x->d);
+        uint32_t w[4];
+        uint8_t sc[16];
+        ktk_q3k_scales(x->scales, w);
+        memcpy(sc, w, 16);
+        for (int v = 0; v < 256; v++) {
+            const int s = (v / 32) % 4, l = v % 32;
+            const int q = ((x->qs[32 * (v / 128) + l] >> (2 * s)) & 3) | (((x->hmask[l] >> (4 * (v / 128) + s)) & 1) << 2);
+            y[v] = d * (float)((int)sc[v / 16] - 32) * (float)(q - 4);
+        }
         break;
     }
     case KTK_Q4_K: {
@@ -241,6 +266,8 @@ DOT_SCALAR(KTK_BF16, dot_bf16_s)
 DOT_SCALAR(KTK_Q4_0, dot_q4_0_s)
 DOT_SCALAR(KTK_Q5_0, dot_q5_0_s)
 DOT_SCALAR(KTK_Q8_0, dot_q8_0_s)
+DOT_SCALAR(KTK_Q2_K, dot_q2_k_s)
+DOT_SCALAR(KTK_Q3_K, dot_q3_k_s)
 DOT_SCALAR(KTK_Q4_K, dot_q4_k_s)
 DOT_SCALAR(KTK_Q5_K, dot_q5_k_s)
 DOT_SCALAR(KTK_Q6_K, dot_q6_k_s)
@@ -252,6 +279,8 @@ KTK_DOTN_LOOP(dotn_bf16_s, dot_bf16_s, KTK_BF16)
 KTK_DOTN_LOOP(dotn_q4_0_s, dot_q4_0_s, KTK_Q4_0)
 KTK_DOTN_LOOP(dotn_q5_0_s, dot_q5_0_s, KTK_Q5_0)
 KTK_DOTN_LOOP(dotn_q8_0_s, dot_q8_0_s, KTK_Q8_0)
+KTK_DOTN_LOOP(dotn_q2_k_s, dot_q2_k_s, KTK_Q2_K)
+KTK_DOTN_LOOP(dotn_q3_k_s, dot_q3_k_s, KTK_Q3_K)
 KTK_DOTN_LOOP(dotn_q4_k_s, dot_q4_k_s, KTK_Q4_K)
 KTK_DOTN_LOOP(dotn_q5_k_s, dot_q5_k_s, KTK_Q5_K)
 KTK_DOTN_LOOP(dotn_q6_k_s, dot_q6_k_s, KTK_Q6_K)
@@ -284,10 +313,10 @@ static uint64_t stream_scalar(const uint8_t *p, size_t n) {
 
 const ktk_kernels ktk_kernels_scalar = {
     .dot = {[KTK_F32] = dot_f32_s, [KTK_F16] = dot_f16_s, [KTK_BF16] = dot_bf16_s,
-            [KTK_Q4_0] = dot_q4_0_s, [KTK_Q5_0] = dot_q5_0_s, [KTK_Q8_0] = dot_q8_0_s, [KTK_Q4_K] = dot_q4_k_s,
+            [KTK_Q4_0] = dot_q4_0_s, [KTK_Q5_0] = dot_q5_0_s, [KTK_Q8_0] = dot_q8_0_s, [KTK_Q2_K] = dot_q2_k_s, [KTK_Q3_K] = dot_q3_k_s, [KTK_Q4_K] = dot_q4_k_s,
             [KTK_Q5_K] = dot_q5_k_s, [KTK_Q6_K] = dot_q6_k_s, [KTK_IQ4_XS] = dot_iq4_xs_s},
     .dotn = {[KTK_F32] = dotn_f32_s, [KTK_F16] = dotn_f16_s, [KTK_BF16] = dotn_bf16_s,
-             [KTK_Q4_0] = dotn_q4_0_s, [KTK_Q5_0] = dotn_q5_0_s, [KTK_Q8_0] = dotn_q8_0_s, [KTK_Q4_K] = dotn_q4_k_s,
+             [KTK_Q4_0] = dotn_q4_0_s, [KTK_Q5_0] = dotn_q5_0_s, [KTK_Q8_0] = dotn_q8_0_s, [KTK_Q2_K] = dotn_q2_k_s, [KTK_Q3_K] = dotn_q3_k_s, [KTK_Q4_K] = dotn_q4_k_s,
              [KTK_Q5_K] = dotn_q5_k_s, [KTK_Q6_K] = dotn_q6_k_s, [KTK_IQ4_XS] = dotn_iq4_xs_s},
     .quant_act = ktk_quant_act_scalar,
     .gemm = gemm_scalar,

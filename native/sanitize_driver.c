@@ -23,7 +23,8 @@ static void claim_item_fn(void *ctx, int phase, int64_t item, int tid) {
 }
 
 int main(void) {
-    static const int types[] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K, KTK_IQ4_XS, KTK_BF16, KTK_F16, KTK_F32};
+    static const int types[] = {KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q2_K, KTK_Q3_K, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K, KTK_IQ4_XS,
+                                KTK_BF16, KTK_F16, KTK_F32};
     const int64_t E = 4, H = 256, I = 512, k = 2;
     int feats = ktk_cpu_features(), fails = 0;
     ktk_pool *pool = ktk_pool_new(3, 1);

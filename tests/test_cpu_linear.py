@@ -69,7 +69,7 @@ def test_grouped_linear_types():
     assert native.linear_grouped_from(int(QT.Q4_K), ISAS.index("scalar")) == 0
     assert native.linear_path("scalar") == "dots"                       # what `ktinject doctor` prints
     if "avx2" in usable:
-        assert native.linear_path("avx2") == "8-bit grouped GEMM from 16 tokens (Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), dots otherwise"
+        assert native.linear_path("avx2") == "8-bit grouped GEMM from 16 tokens (Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), dots otherwise"
     assert "linear_prefill" in native.describe()
 
 

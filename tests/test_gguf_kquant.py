@@ -205,3 +205,45 @@ def test_convert_names_the_tensor_it_cannot_write(tmp_path):
     text = str(info.value)
     assert str(out) in text and "attn_output" in text and "finite" in text, text
     assert not out.exists()
+
+
+# the torch-only 2- and 3-bit quantizers (tests, `synth --recipe q2_k / q3_k_m`): no gguf-package
+# type of as few bits to beat, so floors measured on N(0, 1) (11.2 / 16.7 dB) less a margin
+LOW_BIT_FLOORS = {"Q2_K": 10.5, "Q3_K": 16.0}
+
+
+@pytest.mark.parametrize("name", sorted(kquant.LOW_BIT_QUANTIZERS))
+@pytest.mark.parametrize("kind", ["gaussian", "laplace", "outliers"])
+def test_low_bit_quantizers(name, kind):
+    x = _data(kind)
+    blocks = kquant.LOW_BIT_QUANTIZERS[name](x)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (512, quants.QUANTS[QT[name]].type_size)
+    ref = gq.dequantize(blocks.numpy(), QT[name]).reshape(x.shape)
+    np.testing.assert_array_equal(quants.QUANTS[QT[name]].dequantize_blocks(blocks).numpy(), ref)
+    sqnr = kquant.sqnr_db(x, torch.from_numpy(ref))
+    if kind == "gaussian":
+        assert sqnr > LOW_BIT_FLOORS[name], (name, sqnr)
+    else:
+        assert sqnr > LOW_BIT_FLOORS[name] - 3, (name, kind, sqnr)
+    # every scale code the packing writes comes back: a spread of sub-block magnitudes
+    spread = torch.randn(64, 16, 16, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 0, 16).view(1, 16, 1)
+    y = quants.QUANTS[QT[name]].dequantize_blocks(kquant.LOW_BIT_QUANTIZERS[name](spread.reshape(64, 256)))
+    assert kquant.sqnr_db(spread.reshape(64, 256), y.reshape(64, 256)) > LOW_BIT_FLOORS[name] - 3
+
+
+@pytest.mark.parametrize("name", sorted(kquant.LOW_BIT_QUANTIZERS))
+@pytest.mark.parametrize("case", ["zeros", "constant", "negative", "underflow", "one_spike"])
+def test_low_bit_edge_blocks(name, case):
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3))
+    x = {"zeros": torch.zeros(8, 256), "constant": torch.full((8, 256), 0.3), "negative": -x.abs() - 0.1,
+         "underflow": x * 1e-7, "one_spike": torch.zeros(8, 256).index_fill_(1, torch.tensor([5]), 2.0)}[case]
+    y = quants.QUANTS[QT[name]].dequantize_blocks(kquant.LOW_BIT_QUANTIZERS[name](x))
+    assert torch.isfinite(y).all()
+    if case == "zeros":
+        assert torch.equal(y, torch.zeros_like(x))
+    elif case == "underflow":
+        assert y.abs().max() <= x.abs().max()
+    else:
+        assert kquant.sqnr_db(x, y) > 9, (name, case, kquant.sqnr_db(x, y))
+    with pytest.raises(ValueError, match="finite"):
+        kquant.LOW_BIT_QUANTIZERS[name](torch.full((1, 256), float("nan")))

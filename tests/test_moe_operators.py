@@ -76,11 +76,12 @@ def test_cpu_experts_returns_caller_dtype_and_async():
     assert rel_err(out.float(), ref) < 2e-2
 
 
-@pytest.mark.parametrize("gq,dq", [(QT.Q4_K, QT.Q5_0), (QT.IQ4_XS, QT.IQ4_XS)], ids=["q4_k-q5_0", "iq4_xs"])
+@pytest.mark.parametrize("gq,dq", [(QT.Q4_K, QT.Q5_0), (QT.IQ4_XS, QT.IQ4_XS), (QT.Q2_K, QT.Q3_K)],
+                         ids=["q4_k-q5_0", "iq4_xs", "q2_k-q3_k"])
 def test_cpu_experts_on_gguf_blocks(gq, dq):
     """GGUF layout: gate and up as a FusedTensor of two GGMLTensors (Q4_K), down in Q5_0 (what
     llama.cpp writes for rows of 1408 values), or all IQ4_XS; zero copy, against the dequantized
-    reference."""
+    reference; Q2_K gate / up with a Q3_K down as in a 2-bit file."""
     model, block = first_moe_block("deepseek_v2")
     E, H, I = block.experts.gate_up_proj.shape[0], model.config.hidden_size, model.config.moe_intermediate_size
     g, u, d = rand_rows(gq, E * I, H, 1), rand_rows(gq, E * I, H, 2), rand_rows(dq, E * H, I, 3)
@@ -102,12 +103,12 @@ def test_cpu_experts_on_gguf_blocks(gq, dq):
 def test_unsupported_ggml_type_is_an_error_unless_converted():
     model, block = first_moe_block("mixtral")
     E, I2, H = block.experts.gate_up_proj.shape
-    q2 = GGMLTensor(int(QT.Q2_K), (E, I2, H), torch.zeros(E * I2, 84 * H // 256, dtype=torch.uint8),
-                    "blk.0.ffn_gate_up_exps.weight", "m.gguf")
+    q41 = GGMLTensor(int(QT.Q4_1), (E, I2, H), torch.zeros(E * I2, 20 * H // 32, dtype=torch.uint8),
+                     "blk.0.ffn_gate_up_exps.weight", "m.gguf")
     Op = registry.get("cpu_experts")
     op = Op.build(block.experts, _ctx(model, Op.Options(threads=2)))
-    src = {"gate_up_proj": q2, "down_proj": block.experts.down_proj.data}
-    with pytest.raises(UnsupportedQuantError, match="Q2_K.*convert_unsupported") as exc:
+    src = {"gate_up_proj": q41, "down_proj": block.experts.down_proj.data}
+    with pytest.raises(UnsupportedQuantError, match="Q4_1.*convert_unsupported") as exc:
         op.load_weights("", src)
     assert "m.gguf" in str(exc.value) and "blk.0.ffn_gate_up_exps.weight" in str(exc.value)
     op2 = Op.build(block.experts, _ctx(model, Op.Options(threads=2, convert_unsupported=True, quant="q8_0")))

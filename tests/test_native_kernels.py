@@ -140,8 +140,8 @@ def _routing(T, E, k, seed=0):
 
 
 # the types each ISA's grouped path multiplies in 8-bit integers (the kernel tables' u8_types)
-VNNI_TYPES = {"avx512": (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS),
-              "avx2": (QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)}
+VNNI_TYPES = {"avx512": (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS),
+              "avx2": (QT.Q4_0, QT.Q5_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)}
 
 
 def _moe_tol(isa: str, qt: QT, grouped: bool) -> float:
@@ -221,7 +221,8 @@ def test_moe_vnni_grouped_path(isa, qt, monkeypatch):
 # the quantized-value bytes of a block (start, end) and the byte that gives every value its largest
 # unsigned form on the 8-bit path (Q8_0: q = 127, U = 255; IQ4_XS: grid index 15, U = 241)
 MAX_U_BYTES = {QT.Q4_0: (2, 18, 0xFF), QT.Q5_0: (2, 22, 0xFF), QT.Q8_0: (2, 34, 0x7F), QT.Q4_K: (16, 144, 0xFF),
-               QT.Q5_K: (16, 176, 0xFF), QT.Q6_K: (0, 192, 0xFF), QT.IQ4_XS: (8, 136, 0xFF)}
+               QT.Q5_K: (16, 176, 0xFF), QT.Q6_K: (0, 192, 0xFF), QT.IQ4_XS: (8, 136, 0xFF),
+               QT.Q2_K: (16, 80, 0xFF), QT.Q3_K: (0, 96, 0xFF)}
 
 
 @pytest.mark.parametrize("isa,qt", [(i, q) for i in ("avx2", "avx512") if i in ISAS for q in VNNI_TYPES[i]],

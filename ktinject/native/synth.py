@@ -11,8 +11,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from ..weights.kquant import quantize_rows  # noqa: F401
 
 # Byte offsets of the fp16 scale fields inside one block, per type.
-_SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q5_0: (0,), QT.Q8_0: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,), QT.IQ4_XS: (0,)}
-SUPPORTED = (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.BF16)
+_SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q5_0: (0,), QT.Q8_0: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (-2,), QT.IQ4_XS: (0,),
+                 QT.Q2_K: (80, 82), QT.Q3_K: (108,)}
+SUPPORTED = (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.BF16)
 
 
 def parse_quant(name: str) -> QT:

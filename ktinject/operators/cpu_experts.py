@@ -37,7 +37,7 @@ from .registry import register
 log = logging.getLogger(__name__)
 
 # GGML type ids the native kernels compute on (gguf.GGMLQuantizationType values).
-NATIVE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14, "iq4_xs": 23, "bf16": 30}
+NATIVE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13, "q6_k": 14, "iq4_xs": 23, "bf16": 30}
 # Dense-source conversions: name -> bits per weight (for the plan's byte count).
 CONVERT_BITS = {"f32": 32.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
 ISAS = ("scalar", "avx2", "avx512", "amx")

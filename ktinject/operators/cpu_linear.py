@@ -1,15 +1,15 @@
 """`cpu_linear`: a linear layer on the CPU whose weight stays in GGML blocks.
 
-A GGUF weight of a type the native kernels read (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS,
-BF16, F16, F32) is kept as the file stores it (memory-mapped, no copy); float weights (a
+A GGUF weight of a type the native kernels read (Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_XS, BF16, F16, F32) is kept as the file stores it (memory-mapped, no copy); float weights (a
 safetensors model, or the few dense tensors a GGUF reader rebuilds) keep their float type by
 default (`quant: auto`, exact) or are converted at load (`quant: q8_0`, ...).
 
 Up to `gemv_max_tokens` tokens (decode, prompts) the native kernels run over the CPU experts'
 thread pool: each 64-row chunk of the weight is read once, in its quantized form, for all the
 tokens, as llama.cpp does on the CPU, with multi-row dot products per token below 16 tokens and,
-from 16 tokens on for the types the 8-bit grouped kernels take (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K,
-IQ4_XS on AVX-512; fewer on AVX2), the MoE layer's grouped 8-bit GEMM (tokens packed in panels
+from 16 tokens on for the types the 8-bit grouped kernels take (Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_XS on AVX-512; all but Q8_0 and IQ4_XS on AVX2), the MoE layer's grouped 8-bit GEMM (tokens packed in panels
 of 16); while that pool is busy with the routed experts (the `moe` operator runs the shared
 experts meanwhile) the calling thread computes alone. Longer inputs dequantize the rows in chunks of `chunk_mb` and multiply with
 torch (float weights: the dots only up to 8 tokens, where they beat torch's own kernels), in
@@ -145,7 +145,7 @@ class CpuLinear(Operator):
             dense = as_dense(t)
             if self.options.quant != "auto":
                 wanted = [self.options.quant, "q8_0", "bf16"]
-            elif isinstance(t, GGMLTensor):       # blocks the kernels cannot read (Q3_K, Q4_1, IQ2...)
+            elif isinstance(t, GGMLTensor):       # blocks the kernels cannot read (Q4_1, IQ2...)
                 wanted = ["q8_0", "bf16"]
             else:                                 # a float weight: kept exact
                 wanted = [_FLOAT.get(dense.dtype, "f32")]

@@ -269,6 +269,62 @@ def quantize_iq4_xs(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _pack_2bit(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [n, 256] (values 0..3 used) -> the 64 qs bytes of Q2_K / Q3_K: value 128h + 32g + l in
+    bits 2g, 2g+1 of byte 32h + l."""
+    q = (q & 3).reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+@_chunked(84)
+def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 256] -> Q2_K blocks uint8 [n, 84]: per 16-value sub-block the affine fit of Q4_K
+    (x ~ scale * q - min, q in 0..3), scales and mins to 4 bits under the fp16 d and dmin."""
+    _check_input(x)
+    n = x.shape[0]
+    xb = x.reshape(n, 16, 16)
+    scale, mn = _fit_affine(xb, 3)                                       # [n, 16] each, >= 0
+    d, d_bytes = _fp16(scale.amax(dim=1) / 15)
+    dmin, dmin_bytes = _fp16(mn.amax(dim=1) / 15)
+    _check_scale(d, "super-block scale")
+    _check_scale(dmin, "super-block min")
+    ls = torch.where(d.unsqueeze(1) > 0, (scale / d.clamp(min=1e-30).unsqueeze(1)).round().clamp(0, 15), torch.zeros_like(scale))
+    lm = torch.where(dmin.unsqueeze(1) > 0, (mn / dmin.clamp(min=1e-30).unsqueeze(1)).round().clamp(0, 15), torch.zeros_like(mn))
+    eff_d = (d.unsqueeze(1) * ls).unsqueeze(-1)
+    eff_m = (dmin.unsqueeze(1) * lm).unsqueeze(-1)
+    q = ((xb + eff_m) / eff_d.clamp(min=1e-30)).round().clamp(0, 3)
+    q = torch.where(eff_d > 0, q, torch.zeros_like(q)).to(torch.uint8).reshape(n, 256)
+    scales = (ls.to(torch.uint8) | (lm.to(torch.uint8) << 4))
+    return torch.cat((scales, _pack_2bit(q), d_bytes, dmin_bytes), dim=1)
+
+
+@_chunked(110)
+def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 256] -> Q3_K blocks uint8 [n, 110]: per 16-value sub-block the symmetric fit of
+    Q6_K (x ~ scale * q, q in -4..3), the signed scales to 6 bits (-32..31) under the fp16 d."""
+    _check_input(x)
+    n = x.shape[0]
+    xb = x.reshape(n, 16, 16)
+    scale = _fit_symmetric(xb, 3)                                        # [n, 16], signed
+    big = scale.gather(1, scale.abs().argmax(dim=1, keepdim=True)).squeeze(1)
+    d, d_bytes = _fp16(-big / 32)                                        # the largest scale onto -32
+    _check_scale(d, "super-block scale")
+    ls = torch.where(d.unsqueeze(1) != 0, (scale / torch.where(d == 0, torch.ones_like(d), d).unsqueeze(1)).round()
+                     .clamp(-32, 31), torch.zeros_like(scale))
+    eff = (d.unsqueeze(1) * ls).unsqueeze(-1)
+    safe = torch.where(eff == 0, torch.ones_like(eff), eff)
+    q = torch.where(eff != 0, (xb / safe).round().clamp(-4, 3), torch.zeros_like(xb))
+    q = (q + 4).to(torch.uint8).reshape(n, 256)
+    hbit = (q >> 2).reshape(n, 8, 32)                                    # bit 4h + g of hmask[l]
+    hmask = (hbit << torch.arange(8, dtype=torch.uint8).view(1, 8, 1)).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    L = (ls + 32).to(torch.uint8)                                        # [n, 16], 0..63
+    low = (L[:, :8] & 15) | ((L[:, 8:] & 15) << 4)
+    top = L >> 4                                                         # scale j's top bits: byte 8 + j % 4, bits 2 (j / 4)
+    high = top[:, 0:4] | (top[:, 4:8] << 2) | (top[:, 8:12] << 4) | (top[:, 12:16] << 6)
+    return torch.cat((hmask, _pack_2bit(q), low, high, d_bytes), dim=1)
+
+
+LOW_BIT_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k}   # torch only (tests, synth)
 TORCH_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
 LEGACY_NATIVE = ("Q4_0", "Q5_0", "Q8_0")          # legacy types native/kquant.c writes
 
@@ -367,8 +423,8 @@ def _rows_in_parallel(values: np.ndarray, fn, workers: Optional[int] = None) -> 
 def quantize_rows(w: torch.Tensor, qt) -> torch.Tensor:
     """Dense [rows, n] -> uint8 [rows, row_bytes] GGML rows of type `qt` (a gguf
     GGMLQuantizationType): F32 / F16 / BF16 as the values themselves; the K-quants through
-    `QUANTIZERS`; Q4_0 / Q5_0 / Q8_0 native where built (the bytes gguf-py writes); IQ4_XS through
-    `quantize_iq4_xs`; other types through gguf-py (over threads, refusing NaN / Inf and values past
+    `QUANTIZERS`; Q4_0 / Q5_0 / Q8_0 native where built (the bytes gguf-py writes); IQ4_XS, Q2_K and
+    Q3_K through `quantize_iq4_xs` / `LOW_BIT_QUANTIZERS`; other types through gguf-py (over threads, refusing NaN / Inf and values past
     the block's fp16 scale). A ValueError when rows are not whole blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
     floats = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
@@ -380,6 +436,8 @@ def quantize_rows(w: torch.Tensor, qt) -> torch.Tensor:
         raise ValueError(f"{w.shape[-1]} values per row is not a multiple of the {qt.name} block ({block})")
     if qt == QT.IQ4_XS:
         data = quantize_iq4_xs(w.reshape(-1, 256))
+    elif qt.name in LOW_BIT_QUANTIZERS:
+        data = LOW_BIT_QUANTIZERS[qt.name](w.reshape(-1, 256))
     elif qt.name in QUANTIZERS:
         data = QUANTIZERS[qt.name](w.reshape(-1, 256))
     elif legacy_quantizer(qt.name) is not None:
