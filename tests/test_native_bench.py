@@ -183,3 +183,14 @@ def test_bench_experts_bad_flags_are_one_message(capsys, flags, message):
     assert main(["bench", "experts", *TINY, "--quant", "q8_0", "--threads", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err.replace("\n", " ") and "Traceback" not in err
+
+
+def test_down_type_follows_the_writer_fallbacks():
+    """V2-Lite's 1408-value down rows take the type `ktinject synth` (and llama.cpp) writes for them."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ktinject.cli.bench import down_type
+    from ktinject.weights.gguf_write import FALLBACK
+    for qt in (QT.Q4_K, QT.Q2_K, QT.Q3_K):
+        assert down_type(qt, 1408) == FALLBACK[qt]
+    assert down_type(QT.Q6_K, 1408) == QT.Q8_0 and down_type(QT.Q2_K, 1536) == QT.Q2_K

@@ -149,11 +149,12 @@ def _make_layers(qt, dqt, E: int, H: int, I: int, gib: float):
 
 def down_type(qt, inter: int):
     """The down projection's type: llama.cpp stores rows that are not a multiple of 256 (V2-Lite's
-    1408) in a fallback type; we follow it where we can: q4_k -> q5_0, q5_k and q6_k -> q8_0."""
+    1408) in a fallback type; we follow it where we can: q4_k -> q5_0, q2_k and q3_k -> q4_0 (as
+    `ktinject synth` writes them), q5_k and q6_k -> q8_0."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
     if inter % GGML_QUANT_SIZES[qt][0] == 0:
         return qt
-    return {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q8_0, QT.Q6_K: QT.Q8_0}.get(qt, QT.Q8_0)
+    return {QT.Q4_K: QT.Q5_0, QT.Q2_K: QT.Q4_0, QT.Q3_K: QT.Q4_0, QT.Q5_K: QT.Q8_0, QT.Q6_K: QT.Q8_0}.get(qt, QT.Q8_0)
 
 
 MAX_BATCH = 1 << 16
