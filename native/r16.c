@@ -43,12 +43,23 @@
  *     [288, 2336)  q[32][16][4]: the low 4 bits, as Q4_K's nibbles
  *     [2336, 3360) h[8][2][16][4]: per 4 chunks c = 4G + k, two vectors (values 8c+b, 8c+4+b):
  *                  bits 2k, 2k+1 of byte b of row r = the value's high 2 bits
+ *   Q2_K (GB 1344 = 16 x 84):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 64)     dmin[16] fp16
+ *     [64, 320)    sm[8][16][2]: the scale | min << 4 bytes of sub-blocks 2p and 2p+1 (16 values each) of row r
+ *     [320, 1344)  q[16][16][4]: sub-block c (values 16c .. 16c+15), row r, byte b: bits 2k, 2k+1 = value
+ *                  16c + 4k + b (one shift and mask per k gives 4 values of each row, one per lane byte)
+ *   Q3_K (GB 1824 = 16 x 114; GGUF 16 x 110: the scales unpacked to bytes):
+ *     [0, 32)      d[16]    fp16
+ *     [32, 288)    sc[8][16][2]: the scales (6-bit, minus 32: int8) of sub-blocks 2p and 2p+1 of row r
+ *     [288, 1312)  q[16][16][4]: the low 2 bits, as Q2_K's
+ *     [1312, 1824) h[16][4]: 64-bit masks, bit 4r+b of h[c][k] = the third bit of value 16c + 4k + b of row r
  *   Q8_0 (GB 544 = 16 x 34):
  *     [0, 32)      d[16]    fp16
  *     [32, 544)    q[8][16][4]: chunk c, row r, byte b = value 4c+b + 128 (as an unsigned byte:
  *                  the VNNI dot takes unsigned x signed bytes; the dot subtracts 128 * sum(x))
  *
- * Q4_0, Q5_0, Q8_0 and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K 2.3%, IQ4_XS 1.5%), which costs less
+ * Q4_0, Q5_0, Q8_0, Q2_K and Q6_K keep GGUF's size; Q4_K grows by 2.8% (Q5_K 2.3%, IQ4_XS 1.5%, Q3_K 3.6%), which costs less
  * than unpacking 6-bit scales for 16 rows in every block would. Every value and scale is kept as it was: dequantizing
  * a group gives exactly the floats GGML's dequantization gives (tested). */
 #include "ktk_int.h"
@@ -65,6 +76,8 @@ static int group_bytes(int type) {
     case KTK_Q5_0: return 352;
     case KTK_Q8_0: return 544;
     case KTK_Q6_K: return 3360;
+    case KTK_Q2_K: return 1344;
+    case KTK_Q3_K: return 1824;
     default: return 0;
     }
 }
@@ -88,7 +101,7 @@ static void split_nibbles(const uint8_t *qs, int groups, uint8_t *v) {
         }
 }
 
-/* The values of one GGML block, unsigned (Q4_0 / Q4_K 4 bits, Q5_0 / Q5_K 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
+/* The values of one GGML block, unsigned (Q2_K 2 bits, Q3_K 3, Q4_0 / Q4_K 4, Q5_0 / Q5_K 5, Q6_K 6, Q8_0 as the R16 byte: + 128),
  * in the block's value order: unpacked once per row, then scattered into the R16 block. */
 static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
     switch (type) {
@@ -119,6 +132,16 @@ static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
         for (int l = 0; l < 16; l++) {
             v[l] = (uint8_t)((x->qs[l] & 0xF) | ((qh >> l) & 1) << 4);
             v[l + 16] = (uint8_t)((x->qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4);
+        }
+        break;
+    }
+    case KTK_Q2_K: case KTK_Q3_K: {   /* value 128h + 32g + l: bits 2g, 2g+1 of qs[32h + l]; Q3_K's bit 2: bit 4h + g of hmask[l] */
+        const int three = type == KTK_Q3_K;
+        const uint8_t *qs = b + (three ? 32 : 16);
+        for (int u = 0; u < 256; u++) {
+            const int h = u / 128, g = u % 128 / 32, l = u % 32;
+            v[u] = (uint8_t)((qs[32 * h + l] >> (2 * g)) & 3);
+            if (three) v[u] |= (uint8_t)(((b[l] >> (4 * h + g)) & 1) << 2);
         }
         break;
     }
@@ -220,6 +243,30 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
             }
             break;
         }
+        case KTK_Q2_K: case KTK_Q3_K: {
+            const int three = type == KTK_Q3_K;
+            uint8_t sc[16];
+            if (three) {   /* d, the scales minus 32 as int8 */
+                uint32_t w[4];
+                ktk_q3k_scales(b + 96, w);
+                memcpy(sc, w, 16);
+                memcpy(dst + 2 * r, b + 108, 2);
+                for (int j = 0; j < 16; j++) dst[32 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)(int8_t)((int)sc[j] - 32);
+            } else {       /* d, dmin, the scale | min bytes as stored */
+                memcpy(dst + 2 * r, b + 80, 2);
+                memcpy(dst + 32 + 2 * r, b + 82, 2);
+                for (int j = 0; j < 16; j++) dst[64 + 32 * (j / 2) + 2 * r + (j & 1)] = b[j];
+            }
+            const int qo = three ? 288 : 320;
+            for (int c = 0; c < 16; c++)
+                for (int k = 0; k < 4; k++)
+                    for (int bb = 0; bb < 4; bb++) {
+                        const int u = v[16 * c + 4 * k + bb], bit = 4 * r + bb;
+                        q[qo + 64 * c + bb] |= (uint8_t)((u & 3) << (2 * k));
+                        if (three) dst[1312 + 32 * c + 8 * k + bit / 8] |= (uint8_t)((u >> 2) << (bit % 8));
+                    }
+            break;
+        }
         default:   /* Q8_0 */
             memcpy(dst + 2 * r, b, 2);
             for (int c = 0; c < 8; c++) memcpy(q + 32 + 64 * c, v + 4 * c, 4);
@@ -261,6 +308,11 @@ int ktk_r16_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, in
  * Q5_0 5, Q6_K 6, Q8_0 the byte (value + 128). */
 static inline int r16_value(int type, const uint8_t *b, int r, int v) {
     if (type == KTK_Q8_0) return b[32 + 64 * (v / 4) + 4 * r + v % 4];
+    if (type == KTK_Q2_K || type == KTK_Q3_K) {   /* Q2_K 2 bits, Q3_K 3 */
+        const int c = v / 16, k = v % 16 / 4, bb = v % 4, bit = 4 * r + bb;
+        const int lo = (b[(type == KTK_Q2_K ? 320 : 288) + 64 * c + 4 * r + bb] >> (2 * k)) & 3;
+        return type == KTK_Q2_K ? lo : lo | ((b[1312 + 32 * c + 8 * k + bit / 8] >> (bit % 8)) & 1) << 2;
+    }
     const int c = v / 8, k = v % 8 & 3, high = v % 8 >= 4;
     const int qo = type == KTK_Q4_K ? 320 : type == KTK_Q5_K ? 832 : type == KTK_Q5_0 ? 96
                  : type == KTK_Q4_0 ? 32 : type == KTK_IQ4_XS ? 160 : 288;
@@ -280,10 +332,14 @@ static inline float r16_f16(const uint8_t *p) {
     return ktk_f16_to_f32(h);
 }
 
-/* the scale of sub-block s: Q4_K / Q5_K (32 values, 6-bit), Q6_K (16 values, int8), IQ4_XS (32, int8) */
+/* the scale of sub-block s: Q4_K / Q5_K (32 values, 6-bit), Q6_K / Q3_K (16 values, int8), IQ4_XS (32, int8), Q2_K
+ * (16 values, 4-bit; r16_q2k_min: its 4-bit min) */
 static inline int r16_scale(int type, const uint8_t *b, int r, int s) {
-    return type == KTK_Q6_K || type == KTK_IQ4_XS ? (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)] : b[64 + 16 * s + r];
+    if (type == KTK_Q2_K) return b[64 + 32 * (s / 2) + 2 * r + (s & 1)] & 0xF;
+    return type == KTK_Q6_K || type == KTK_IQ4_XS || type == KTK_Q3_K ? (int8_t)b[32 + 32 * (s / 2) + 2 * r + (s & 1)]
+                                                                       : b[64 + 16 * s + r];
 }
+static inline int r16_q2k_min(const uint8_t *b, int r, int s) { return b[64 + 32 * (s / 2) + 2 * r + (s & 1)] >> 4; }
 static inline int r16_q4k_min(const uint8_t *b, int r, int s) { return b[192 + 32 * (s / 2) + 2 * r + (s & 1)]; }
 
 /* rows r < 16 of a group -> dst[r * ld + k] (the grouped paths' f32 rows, tests): GGML's floats */
@@ -301,6 +357,10 @@ void ktk_r16_dequant_group(int type, const uint8_t *g, int64_t n, float *dst, in
                            - r16_f16(g + 32 + 2 * r) * (float)r16_q4k_min(g, r, v / 32);
                     break;
                 case KTK_Q6_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 32); break;
+                case KTK_Q3_K: y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)(q - 4); break;
+                case KTK_Q2_K:
+                    y[v] = d * (float)r16_scale(type, g, r, v / 16) * (float)q - r16_f16(g + 32 + 2 * r) * (float)r16_q2k_min(g, r, v / 16);
+                    break;
                 case KTK_Q5_0: y[v] = d * (float)(q - 16); break;
                 case KTK_Q4_0: y[v] = d * (float)(q - 8); break;
                 case KTK_IQ4_XS: y[v] = d * (float)r16_scale(type, g, r, v / 32) * (float)ktk_kvalues_iq4nl[q]; break;
@@ -330,6 +390,18 @@ static float blk_scalar(int type, const uint8_t *b, int r, const ktk_q8 *xq, int
             si += dot * r16_scale(type, b, r, s);
         }
         return (float)si * (d * y->d);
+    }
+    if (type == KTK_Q2_K || type == KTK_Q3_K) {   /* 16-value sub-blocks; Q2_K's mins, Q3_K's -4 through the sums */
+        const ktk_q8k *y = ktk_act_k(xq, n) + i;
+        int32_t si = 0, mi = 0;
+        for (int s = 0; s < 16; s++) {
+            int32_t dot = 0;
+            for (int v = 16 * s; v < 16 * (s + 1); v++) dot += r16_value(type, b, r, v) * y->q[v];
+            si += dot * r16_scale(type, b, r, s);
+            mi += (type == KTK_Q2_K ? r16_q2k_min(b, r, s) : 4 * r16_scale(type, b, r, s)) * y->bsums[s];
+        }
+        if (type == KTK_Q3_K) return (float)(si - mi) * (d * y->d);
+        return fmaf(-(float)mi, r16_f16(b + 32 + 2 * r) * y->d, (float)si * (d * y->d));
     }
     if (type == KTK_Q4_K || type == KTK_Q5_K || type == KTK_Q6_K) {
         const ktk_q8k *y = ktk_act_k(xq, n) + i;
@@ -367,7 +439,7 @@ static void dot_scalar(int type, int P, const uint8_t *const *g, const ktk_q8 *c
 #define AVX512_INLINE AVX512_TARGET static inline __attribute__((always_inline))
 
 /* How the kernels read memory (defaults: r16_defaults; read once by ktk_r16_init): */
-enum { PF_Q4K, PF_Q5K, PF_Q4_0, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_IQ4XS, PF_TYPES };
+enum { PF_Q4K, PF_Q5K, PF_Q4_0, PF_Q5_0, PF_Q8_0, PF_Q6K, PF_IQ4XS, PF_Q2K, PF_Q3K, PF_TYPES };
 static int g_init = 0;
 static int g_pf[PF_TYPES];   /* software prefetch distance in bytes per type ($KTINJECT_R16_PF: all; 0: none) */
 static int g_l2 = 0;         /* 1: prefetch into L2 (prefetcht1), 0: into L1 ($KTINJECT_R16_PF_L2) */
@@ -489,6 +561,56 @@ AVX512_INLINE __m512 r16_q6k(const uint8_t *g, const ktk_q8k *y, __m512 accf) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(y->d))) + accf;
 }
 
+/* Q2_K / Q3_K (three: 1): per sub-block c one vector of 2-bit values, one shift and mask per 4 values of each
+ * row (Q3_K: its third bits added by a masked byte add); a sub-block's sums fit in i16 (|sum| <= 16 * 7 * 127),
+ * so a pair's two sums go into one vector of i16 pairs and one dpwssd weights them by the pair's scales. The
+ * offsets come off through the activation sums: Q2_K's mins (x dmin), Q3_K's -4 (as integers). */
+AVX512_INLINE __m512 r16_q23k(const int three, const uint8_t *g, const ktk_q8k *y, __m512 accf) {
+    const __m512i m3 = _mm512_set1_epi8(3), x4 = _mm512_set1_epi8(4);
+    const int qo = three ? 288 : 320;
+    __m512i acc = _mm512_setzero_si512(), cacc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {   /* sub-blocks 2p and 2p + 1 */
+        const __m512i sp = three ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(g + 32 + 32 * p)))
+                                 : _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(g + 64 + 32 * p)));
+        __m512i a[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int c = 2 * p + h;
+            const __m512i v = _mm512_loadu_si512((const void *)(g + qo + 64 * c));
+            a[h] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                __m512i q = _mm512_and_si512(k ? _mm512_srli_epi16(v, 2 * k) : v, m3);
+                if (three) {
+                    uint64_t m;
+                    memcpy(&m, g + 1312 + 32 * c + 8 * k, 8);
+                    q = _mm512_mask_add_epi8(q, (__mmask64)m, q, x4);
+                }
+                a[h] = _mm512_dpbusd_epi32(a[h], q, bcast4(y->q + 16 * c + 4 * k));
+            }
+        }
+        const __m512i pk = _mm512_mask_blend_epi16(0xAAAAAAAAu, a[0], _mm512_slli_epi32(a[1], 16));
+        const uint32_t pair = (uint16_t)y->bsums[2 * p] | (uint32_t)(uint16_t)y->bsums[2 * p + 1] << 16;
+        if (three) {
+            acc = _mm512_dpwssd_epi32(acc, pk, sp);
+            cacc = _mm512_dpwssd_epi32(cacc, sp, _mm512_set1_epi32((int)pair));
+        } else {
+            acc = _mm512_dpwssd_epi32(acc, pk, _mm512_and_si512(sp, _mm512_set1_epi16(0x0F)));
+            cacc = _mm512_dpwssd_epi32(cacc, _mm512_srli_epi16(sp, 4), _mm512_set1_epi32((int)pair));
+        }
+    }
+    const __m512 yd = _mm512_set1_ps(y->d);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    if (three)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(cacc, 2))), _mm512_mul_ps(d, yd)) + accf;
+    const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)));
+    return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(cacc), _mm512_mul_ps(dm, yd),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, yd))) + accf;
+}
+AVX512_INLINE __m512 r16_q2k(const uint8_t *g, const ktk_q8k *y, __m512 accf) { return r16_q23k(0, g, y, accf); }
+AVX512_INLINE __m512 r16_q3k(const uint8_t *g, const ktk_q8k *y, __m512 accf) { return r16_q23k(1, g, y, accf); }
+
 AVX512_INLINE __m512 r16_q5_0(const uint8_t *g, const ktk_q8 *x, __m512 accf) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -588,6 +710,8 @@ R16_DRIVER(dot_q5_0_avx512, r16_q5_0, 352, 32, PF_Q5_0, xq[p] + bi)
 R16_DRIVER(dot_q8_0_avx512, r16_q8_0, 544, 32, PF_Q8_0, xq[p] + bi)
 R16_DRIVER(dot_q6k_avx512, r16_q6k, 3360, 256, PF_Q6K, ktk_act_k(xq[p], n) + bi)
 R16_DRIVER(dot_iq4xs_avx512, r16_iq4xs, 2208, 256, PF_IQ4XS, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q2k_avx512, r16_q2k, 1344, 256, PF_Q2K, ktk_act_k(xq[p], n) + bi)
+R16_DRIVER(dot_q3k_avx512, r16_q3k, 1824, 256, PF_Q3K, ktk_act_k(xq[p], n) + bi)
 #undef R16_DRIVER
 
 /* The knobs, read once from the environment (by ktk_moe_new and ktk_r16_gemv, before any worker
@@ -628,7 +752,7 @@ void ktk_r16_init(void) {
 int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split) {
     const int t = type == KTK_Q4_K ? PF_Q4K : type == KTK_Q5_K ? PF_Q5K : type == KTK_Q4_0 ? PF_Q4_0
                 : type == KTK_Q5_0 ? PF_Q5_0 : type == KTK_Q8_0 ? PF_Q8_0 : type == KTK_Q6_K ? PF_Q6K
-                : type == KTK_IQ4_XS ? PF_IQ4XS : -1;
+                : type == KTK_IQ4_XS ? PF_IQ4XS : type == KTK_Q2_K ? PF_Q2K : type == KTK_Q3_K ? PF_Q3K : -1;
     if (t < 0) return KTK_EINVAL;
     ktk_r16_init();
     if (pf_bytes) *pf_bytes = g_pf[t];
@@ -648,6 +772,8 @@ void ktk_r16_dot(int isa, int type, int P, const uint8_t *const *g, const ktk_q8
         case KTK_Q8_0: dot_q8_0_avx512(P, g, xq, n, out); return;
         case KTK_Q6_K: dot_q6k_avx512(P, g, xq, n, out); return;
         case KTK_IQ4_XS: dot_iq4xs_avx512(P, g, xq, n, out); return;
+        case KTK_Q2_K: dot_q2k_avx512(P, g, xq, n, out); return;
+        case KTK_Q3_K: dot_q3k_avx512(P, g, xq, n, out); return;
         default: break;
         }
     }

@@ -213,8 +213,8 @@ int main(void) {
     {   /* R16 copies (r16.c), exact-size buffers: repack keeps every value; each ISA's dots equal
          * the scalar loop's (same integer sums); the layer on R16 copies agrees with GGUF rows at
          * decode (row dots) and at batch 48 (grouped path on GGUF rows); bad descriptors refused */
-        const int rtypes[7] = {KTK_Q4_K, KTK_Q5_K, KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q6_K, KTK_IQ4_XS};
-        for (int ti = 0; ti < 7; ti++) {
+        const int rtypes[9] = {KTK_Q4_K, KTK_Q5_K, KTK_Q4_0, KTK_Q5_0, KTK_Q8_0, KTK_Q6_K, KTK_IQ4_XS, KTK_Q2_K, KTK_Q3_K};
+        for (int ti = 0; ti < 9; ti++) {
             int t = rtypes[ti];
             int64_t rbh = ktk_row_bytes(t, H), rbi = ktk_row_bytes(t, I), r16h = ktk_r16_row_bytes(t, H), r16i = ktk_r16_row_bytes(t, I);
             uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));

@@ -23,8 +23,9 @@ from test_native_util import dequant, moe_case, rand_rows, ref_moe, rel_err
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native extension not built")
 ISAS = native.usable_isas() if native.available() else []
-R16 = [QT.Q4_K, QT.Q5_K, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K, QT.IQ4_XS]
-N = {QT.Q4_K: 512, QT.Q5_K: 512, QT.Q4_0: 96, QT.Q5_0: 96, QT.Q8_0: 128, QT.Q6_K: 512, QT.IQ4_XS: 512}
+R16 = [QT.Q4_K, QT.Q5_K, QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K, QT.IQ4_XS, QT.Q2_K, QT.Q3_K]
+N = {QT.Q4_K: 512, QT.Q5_K: 512, QT.Q4_0: 96, QT.Q5_0: 96, QT.Q8_0: 128, QT.Q6_K: 512, QT.IQ4_XS: 512, QT.Q2_K: 512,
+     QT.Q3_K: 512}
 
 
 def _vendor() -> str:
@@ -74,8 +75,8 @@ def test_r16_gemv(isa, qt, T):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qt,dqt", [(QT.Q4_K, QT.Q5_0), (QT.Q8_0, QT.Q8_0), (QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q5_K),
-                                    (QT.Q5_K, QT.Q4_0), (QT.IQ4_XS, QT.IQ4_XS), (QT.Q4_0, QT.BF16)],
-                         ids=["q4_k+q5_0", "q8_0", "q4_k+q6_k", "q6_k+q5_k", "q5_k+q4_0", "iq4_xs", "q4_0+bf16"])
+                                    (QT.Q5_K, QT.Q4_0), (QT.IQ4_XS, QT.IQ4_XS), (QT.Q4_0, QT.BF16), (QT.Q2_K, QT.Q3_K)],
+                         ids=["q4_k+q5_0", "q8_0", "q4_k+q6_k", "q6_k+q5_k", "q5_k+q4_0", "iq4_xs", "q4_0+bf16", "q2_k+q3_k"])
 @pytest.mark.parametrize("T,tile_min", [(1, 4), (6, 100000), (64, 4)], ids=["decode", "rowdot-T6", "grouped-T64"])
 def test_moe_kernel_repacked(isa, qt, dqt, T, tile_min, monkeypatch):
     monkeypatch.setenv("KTINJECT_TILE_MIN", str(tile_min))
@@ -99,7 +100,7 @@ def test_auto_repack_follows_the_isa_the_types_and_the_env(monkeypatch):
     whose R16 kernels prefetch into L2, every type with the layout)."""
     monkeypatch.delenv("KTINJECT_REPACK", raising=False)
     amd = _vendor() in ("AuthenticAMD", "HygonGenuine")
-    assert nmoe.auto_types() == ((12, 13, 2, 6, 8, 14, 23) if amd else (6, 8))
+    assert nmoe.auto_types() == ((12, 13, 2, 6, 8, 14, 23, 10, 11) if amd else (6, 8))
     (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=2)
     (g8, u8, d8), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2)
     assert native.MoEKernel(gate, up, down, threads=1, isa="scalar").repacked == ()
@@ -222,7 +223,8 @@ from gguf import GGMLQuantizationType as QT
 from ktinject import native
 from test_native_util import rand_rows
 out = {"stream": native.r16_stream(), "y": {}}
-for qt, n in ((QT.Q4_K, 1024), (QT.Q5_K, 1024), (QT.IQ4_XS, 1024), (QT.Q4_0, 256), (QT.Q5_0, 256), (QT.Q8_0, 256), (QT.Q6_K, 1024)):
+for qt, n in ((QT.Q4_K, 1024), (QT.Q5_K, 1024), (QT.IQ4_XS, 1024), (QT.Q4_0, 256), (QT.Q5_0, 256), (QT.Q8_0, 256), (QT.Q6_K, 1024),
+               (QT.Q2_K, 1024), (QT.Q3_K, 1024)):
     w = rand_rows(qt, 32, n, seed=9)
     r = native.repack_r16(native.ExpertMatrix(int(qt), w, 1, 32, n))
     torch.manual_seed(1)
@@ -246,8 +248,8 @@ def test_r16_stream_defaults_and_overrides():
 
     vendor = _vendor()
     amd = vendor in ("AuthenticAMD", "HygonGenuine")
-    default = ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS 4096 B ahead; Q8_0 none; 1 segment a pair (the AMD defaults)"
-               if amd else "prefetch into L1: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 1024 B ahead; 2 segments a pair (the "
+    default = ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q2_K, Q3_K 4096 B ahead; Q8_0 none; 1 segment a pair (the AMD defaults)"
+               if amd else "prefetch into L1: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q2_K, Q3_K, Q8_0 1024 B ahead; 2 segments a pair (the "
                + ("Intel" if vendor == "GenuineIntel" else "default") + " defaults)")
     here = Path(__file__).parent
     runs = {}
@@ -261,9 +263,9 @@ def test_r16_stream_defaults_and_overrides():
         runs[tuple(cfg.items())] = json.loads(res.stdout.strip().splitlines()[-1])
     streams = [r["stream"] for r in runs.values()]
     assert streams[0] == default
-    assert streams[1] == ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 512 B ahead; 4 segments a pair "
+    assert streams[1] == ("prefetch into L2: Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q2_K, Q3_K, Q8_0 512 B ahead; 4 segments a pair "
                           "(set by $KTINJECT_R16_PF and $KTINJECT_R16_PF_L2 and $KTINJECT_R16_SPLIT)")
-    assert streams[2] == ("prefetch into " + ("L2" if amd else "L1") + ": Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q8_0 none; 2 segments "
+    assert streams[2] == ("prefetch into " + ("L2" if amd else "L1") + ": Q4_K, Q5_K, Q4_0, Q5_0, Q6_K, IQ4_XS, Q2_K, Q3_K, Q8_0 none; 2 segments "
                           "a pair (set by $KTINJECT_R16_PF and $KTINJECT_R16_SPLIT)")
     assert streams[3] == default.split(" (")[0] + " (set by $KTINJECT_R16_SPLIT='9' ignored: not 1-4)"
     assert streams[4] == default.split(" (")[0] + " (set by $KTINJECT_R16_PF='+-5' ignored: not 0-65536)"

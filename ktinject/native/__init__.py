@@ -159,7 +159,7 @@ def r16_stream() -> str:
     lib, ffi = load()
     pf, l2, split = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
     by_pf: dict[int, list[str]] = {}
-    for qt in (QT.Q4_K, QT.Q5_K, QT.Q4_0, QT.Q5_0, QT.Q6_K, QT.IQ4_XS, QT.Q8_0):
+    for qt in (QT.Q4_K, QT.Q5_K, QT.Q4_0, QT.Q5_0, QT.Q6_K, QT.IQ4_XS, QT.Q2_K, QT.Q3_K, QT.Q8_0):
         check(lib.ktk_r16_stream(int(qt), pf, l2, split), "r16_stream")
         by_pf.setdefault(int(pf[0]), []).append(qt.name)
     ahead = "; ".join(f"{', '.join(names)} " + (f"{d} B ahead" if d else "none")

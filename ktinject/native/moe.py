@@ -4,7 +4,7 @@ Weights stay where they are (usually a memory-mapped GGUF file): the kernel keep
 to the uint8 row tensors and hands their addresses to C. `submit` posts the work to the pool
 and returns; `sync` waits and returns the result; `forward` does both.
 
-R16: on CPUs with the AVX-512 VNNI path, Q4_K, Q5_K, Q4_0, Q5_0, Q8_0, Q6_K and IQ4_XS experts can be
+R16: on CPUs with the AVX-512 VNNI path, Q4_K, Q5_K, Q4_0, Q5_0, Q8_0, Q6_K, IQ4_XS, Q2_K and Q3_K experts can be
 repacked at load into groups of 16 interleaved rows (`repack_r16`, layout in native/r16.c), which
 the decode kernels read with about a third of the instructions (docs/operators.md, "cpu_experts").
 `MoEKernel(repack=...)` decides; `KTINJECT_REPACK=0` turns it off everywhere.
@@ -166,12 +166,12 @@ ENV_REPACK = "KTINJECT_REPACK"
 # the lent Xeon (Q5_0 down projections ~30% faster per byte); Q4_K's R16 kernel is ~2x faster in cache
 # but was not faster from memory there (docs/benchmarks.md), so auto leaves Q4_K in GGUF rows on Intel.
 # GGML types with an R16 layout (native/r16.c)
-R16_TYPES = {12: "Q4_K", 13: "Q5_K", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 14: "Q6_K", 23: "IQ4_XS"}
+R16_TYPES = {12: "Q4_K", 13: "Q5_K", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 14: "Q6_K", 23: "IQ4_XS", 10: "Q2_K", 11: "Q3_K"}
 AUTO_TYPES = (6, 8)       # Q5_0, Q8_0
 # On AMD the R16 kernels prefetch into L2 ahead of the compute-heavy types, and every type read faster
 # from R16 copies than from GGUF rows on a Zen 4 (gate/up at one thread: Q4_K 1.3x, Q5_K 1.4x, Q6_K 1.5x,
-# Q4_0 1.5-1.6x, IQ4_XS 1.7-1.8x; docs/native.md)
-AUTO_TYPES_AMD = (12, 13, 2, 6, 8, 14, 23)   # Q4_K, Q5_K, Q4_0, Q5_0, Q8_0, Q6_K, IQ4_XS
+# Q4_0 1.5-1.6x, IQ4_XS 1.7-1.8x, Q2_K 1.6x, Q3_K 1.6x; docs/native.md)
+AUTO_TYPES_AMD = (12, 13, 2, 6, 8, 14, 23, 10, 11)   # Q4_K, Q5_K, Q4_0, Q5_0, Q8_0, Q6_K, IQ4_XS, Q2_K, Q3_K
 
 
 def auto_types() -> tuple[int, ...]:
