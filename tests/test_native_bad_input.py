@@ -78,7 +78,7 @@ def test_shape_disagreement_and_unsupported_type():
         native.MoEKernel(native.ExpertMatrix(8, g, E, I, H), native.ExpertMatrix(8, g, E, I, H),
                          native.ExpertMatrix(8, d[:E * H // 2].contiguous(), E // 2, H, I))
     with pytest.raises(NativeError, match="not supported"):
-        native.ExpertMatrix(int(QT.Q2_K), g, E, I, H, "x").validate()
+        native.ExpertMatrix(int(QT.Q4_1), g, E, I, H, "x").validate()
 
 
 def test_gemv_checks(monkeypatch):
