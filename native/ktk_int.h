@@ -168,6 +168,21 @@ static inline void ktk_q3k_scales(const uint8_t *s, uint32_t w[4]) {
     w[2] = ((a0 >> 4) & 0x0f0f0f0fu) | (a2 & 0x30303030u);
     w[3] = ((a1 >> 4) & 0x0f0f0f0fu) | ((a2 >> 2) & 0x30303030u);
 }
+/* A Q2_K / Q3_K block's 16 scale bytes (Q2_K: scale | min << 4 as stored; Q3_K: the six-bit scales,
+ * 0..63, before the -32), its fp16 d and (Q2_K; Q3_K: 0) dmin */
+static inline void ktk_q23k_head(int three, const uint8_t *blk, uint8_t sc[16], uint16_t *d, uint16_t *dmin) {
+    if (three) {
+        uint32_t w[4];
+        ktk_q3k_scales(blk + 96, w);
+        memcpy(sc, w, 16);
+        memcpy(d, blk + 108, 2);
+        *dmin = 0;
+    } else {
+        memcpy(sc, blk, 16);
+        memcpy(d, blk + 80, 2);
+        memcpy(dmin, blk + 82, 2);
+    }
+}
 void ktk_dequant_block(int type, const uint8_t *blk, float *dst);   /* one block */
 void ktk_quant_act_scalar(const float *x, ktk_q8 *q, int64_t n);
 

@@ -246,16 +246,14 @@ static void repack_block(int type, const uint8_t *src, int64_t srb, int64_t i, u
         case KTK_Q2_K: case KTK_Q3_K: {
             const int three = type == KTK_Q3_K;
             uint8_t sc[16];
-            if (three) {   /* d, the scales minus 32 as int8 */
-                uint32_t w[4];
-                ktk_q3k_scales(b + 96, w);
-                memcpy(sc, w, 16);
-                memcpy(dst + 2 * r, b + 108, 2);
+            uint16_t d, dmin;
+            ktk_q23k_head(three, b, sc, &d, &dmin);
+            memcpy(dst + 2 * r, &d, 2);
+            if (three) {   /* the scales minus 32 as int8 */
                 for (int j = 0; j < 16; j++) dst[32 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)(int8_t)((int)sc[j] - 32);
-            } else {       /* d, dmin, the scale | min bytes as stored */
-                memcpy(dst + 2 * r, b + 80, 2);
-                memcpy(dst + 32 + 2 * r, b + 82, 2);
-                for (int j = 0; j < 16; j++) dst[64 + 32 * (j / 2) + 2 * r + (j & 1)] = b[j];
+            } else {       /* dmin, the scale | min bytes as stored */
+                memcpy(dst + 32 + 2 * r, &dmin, 2);
+                for (int j = 0; j < 16; j++) dst[64 + 32 * (j / 2) + 2 * r + (j & 1)] = sc[j];
             }
             const int qo = three ? 288 : 320;
             for (int c = 0; c < 16; c++)
