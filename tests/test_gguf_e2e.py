@@ -10,8 +10,8 @@ from ktinject.weights import as_dense, gguf_write, open_source
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CPU_PACK = {"deepseek_v2": "deepseek-v2-cpu", "deepseek_v3": "deepseek-v3-cpu", "qwen2_moe": "qwen2-moe-cpu",
             "qwen3_moe": "qwen3-moe-cpu", "mixtral": "mixtral-cpu"}
-PRESETS = {"deepseek_v2": ["q4_k_m", "q8_0"], "deepseek_v3": ["q4_k_x", "bf16"], "qwen2_moe": ["q5_k_m", "q4_0"],
-           "qwen3_moe": ["q6_k", "q8_0"], "mixtral": ["q4_k_m", "f16"]}
+PRESETS = {"deepseek_v2": ["q4_k_m", "q8_0", "q2_k"], "deepseek_v3": ["q4_k_x", "bf16"], "qwen2_moe": ["q5_k_m", "q4_0"],
+           "qwen3_moe": ["q6_k", "q8_0", "q3_k_m"], "mixtral": ["q4_k_m", "f16"]}
 
 
 def reference(path):
