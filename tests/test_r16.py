@@ -96,11 +96,11 @@ def test_moe_kernel_repacked(isa, qt, dqt, T, tile_min, monkeypatch):
 
 
 def test_auto_repack_follows_the_isa_the_types_and_the_env(monkeypatch):
-    """auto: AVX-512 / AMX only, and only the types measured faster from memory (Q5_0, Q8_0; on AMD,
+    """auto: AVX-512 / AMX only, and only the types measured faster from memory (Q5_0, Q8_0, Q4_0; on AMD,
     whose R16 kernels prefetch into L2, every type with the layout)."""
     monkeypatch.delenv("KTINJECT_REPACK", raising=False)
     amd = _vendor() in ("AuthenticAMD", "HygonGenuine")
-    assert nmoe.auto_types() == ((12, 13, 2, 6, 8, 14, 23, 10, 11) if amd else (6, 8))
+    assert nmoe.auto_types() == ((12, 13, 2, 6, 8, 14, 23, 10, 11) if amd else (6, 8, 2))
     (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=2)
     (g8, u8, d8), _ = moe_case(QT.Q8_0, QT.Q8_0, E=2)
     assert native.MoEKernel(gate, up, down, threads=1, isa="scalar").repacked == ()

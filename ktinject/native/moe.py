@@ -167,7 +167,9 @@ ENV_REPACK = "KTINJECT_REPACK"
 # but was not faster from memory there (docs/benchmarks.md), so auto leaves Q4_K in GGUF rows on Intel.
 # GGML types with an R16 layout (native/r16.c)
 R16_TYPES = {12: "Q4_K", 13: "Q5_K", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 14: "Q6_K", 23: "IQ4_XS", 10: "Q2_K", 11: "Q3_K"}
-AUTO_TYPES = (6, 8)       # Q5_0, Q8_0
+# Q4_0 since the twenty-sixth session: the Q4_0 down projections of a Q2_K V2-Lite layer at 16 threads on
+# the lent Xeon, 95.5 us from GGUF rows, 69.3 from R16 copies (one A/B; Q4_0's layout is Q5_0's, less the masks)
+AUTO_TYPES = (6, 8, 2)    # Q5_0, Q8_0, Q4_0
 # On AMD the R16 kernels prefetch into L2 ahead of the compute-heavy types, and every type read faster
 # from R16 copies than from GGUF rows on a Zen 4 (gate/up at one thread: Q4_K 1.3x, Q5_K 1.4x, Q6_K 1.5x,
 # Q4_0 1.5-1.6x, IQ4_XS 1.7-1.8x, Q2_K 1.6x, Q3_K 1.6x; docs/native.md)
@@ -380,7 +382,7 @@ class MoEKernel:
             def size(ms) -> int:
                 return sum(m.n_experts * m.rows * r16_row_bytes(m.ggml_type, m.cols) for _, m in ms)
             if todo and mode == "auto" and not _ram_allows(2 * size(todo)):
-                # short of room for every copy: the types repacked everywhere first (Q5_0, Q8_0: the
+                # short of room for every copy: the types repacked everywhere first (Q5_0, Q8_0, Q4_0: the
                 # largest gains per byte), so that AMD's extra Q4_K / Q6_K never cost a model those
                 base = [(role, m) for role, m in todo if m.ggml_type in AUTO_TYPES]
                 nbytes, todo = size(todo), (base if base and _ram_allows(2 * size(base)) else [])
