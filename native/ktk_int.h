@@ -120,8 +120,8 @@ static inline int ktk_u8_group(int type) {   /* values per S, Mn */
     return type == KTK_Q6_K || type == KTK_Q2_K || type == KTK_Q3_K ? 16 : 32;
 }
 static inline int ktk_u8_flags(int type) {   /* the gemm_q8 flags of a u8 type (U <= 31 otherwise) */
-    return (type == KTK_Q4_0 || type == KTK_Q4_K || type == KTK_Q2_K || type == KTK_Q3_K ? KTK_Q8_U4 : 0) | (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0) |
-           (type == KTK_Q8_0 || type == KTK_IQ4_XS ? KTK_Q8_U8 : 0);
+    return (type == KTK_Q4_0 || type == KTK_Q4_K || type == KTK_Q2_K || type == KTK_Q3_K ? KTK_Q8_U4 : 0) |
+           (ktk_u8_group(type) == 16 ? KTK_Q8_G16 : 0) | (type == KTK_Q8_0 || type == KTK_IQ4_XS ? KTK_Q8_U8 : 0);
 }
 void ktk_pack_f32_panels(const float *const *X, int64_t nt, int64_t K, float *pk, int pw);   /* AVX2; pw 8 or 16 */
 void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows);   /* g = SiLU(g) * u, ldc % 8 == 0 */
@@ -182,6 +182,13 @@ static inline void ktk_q23k_head(int three, const uint8_t *blk, uint8_t sc[16], 
         memcpy(d, blk + 80, 2);
         memcpy(dmin, blk + 82, 2);
     }
+}
+/* value v (0..255) of a Q2_K / Q3_K block, unsigned (Q2_K 0..3; Q3_K 0..7, before the -4): v = 128h + 32g + l
+ * is bits 2g, 2g+1 of qs[32h + l], and Q3_K's bit 2 is bit 4h + g of hmask[l] */
+static inline int ktk_q23k_value(int three, const uint8_t *blk, int v) {
+    const int h = v / 128, g = v % 128 / 32, l = v % 32;
+    const int lo = (blk[(three ? 32 : 16) + 32 * h + l] >> (2 * g)) & 3;
+    return three ? lo | ((blk[l] >> (4 * h + g)) & 1) << 2 : lo;
 }
 void ktk_dequant_block(int type, const uint8_t *blk, float *dst);   /* one block */
 void ktk_quant_act_scalar(const float *x, ktk_q8 *q, int64_t n);

@@ -80,26 +80,15 @@ void ktk_dequant_block(int type, const uint8_t *b, float *y) {
         for (int l = 0; l < 32; l++) y[l] = d * (float)x->qs[l];
         break;
     }
-    case KTK_Q2_K: {
-        const blk_q2_k *x = (const blk_q2_k *)b;
-        float d = ktk_f16_to_f32(x->d), dmin = ktk_f16_to_f32(x->dmin);
-        for (int v = 0; v < 256; v++) {
-            const int sub = v / 16, q = (x->qs[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
-            y[v] = d * (float)(x->scales[sub] & 0xF) * (float)q - dmin * (float)(x->scales[sub] >> 4);
-        }
-        break;
-    }
-    case KTK_Q3_K: {
-        const blk_q3_k *x = (const blk_q3_k *)b;
-        float d = ktk_f16_to_f32(x->d);
-        uint32_t w[4];
+    case KTK_Q2_K: case KTK_Q3_K: {   /* Q2_K: d * sc * q - dmin * m; Q3_K: d * (sc - 32) * (q - 4) */
+        const int three = type == KTK_Q3_K;
         uint8_t sc[16];
-        ktk_q3k_scales(x->scales, w);
-        memcpy(sc, w, 16);
+        uint16_t dh, mh;
+        ktk_q23k_head(three, b, sc, &dh, &mh);
+        const float d = ktk_f16_to_f32(dh), dmin = ktk_f16_to_f32(mh);
         for (int v = 0; v < 256; v++) {
-            const int s = (v / 32) % 4, l = v % 32;
-            const int q = ((x->qs[32 * (v / 128) + l] >> (2 * s)) & 3) | (((x->hmask[l] >> (4 * (v / 128) + s)) & 1) << 2);
-            y[v] = d * (float)((int)sc[v / 16] - 32) * (float)(q - 4);
+            const int q = ktk_q23k_value(three, b, v), s = sc[v / 16];
+            y[v] = three ? d * (float)(s - 32) * (float)(q - 4) : d * (float)(s & 0xF) * (float)q - dmin * (float)(s >> 4);
         }
         break;
     }

@@ -135,16 +135,9 @@ static void unpack_values(int type, const uint8_t *b, uint8_t *v) {
         }
         break;
     }
-    case KTK_Q2_K: case KTK_Q3_K: {   /* value 128h + 32g + l: bits 2g, 2g+1 of qs[32h + l]; Q3_K's bit 2: bit 4h + g of hmask[l] */
-        const int three = type == KTK_Q3_K;
-        const uint8_t *qs = b + (three ? 32 : 16);
-        for (int u = 0; u < 256; u++) {
-            const int h = u / 128, g = u % 128 / 32, l = u % 32;
-            v[u] = (uint8_t)((qs[32 * h + l] >> (2 * g)) & 3);
-            if (three) v[u] |= (uint8_t)(((b[l] >> (4 * h + g)) & 1) << 2);
-        }
+    case KTK_Q2_K: case KTK_Q3_K:
+        for (int u = 0; u < 256; u++) v[u] = (uint8_t)ktk_q23k_value(type == KTK_Q3_K, b, u);
         break;
-    }
     case KTK_Q6_K: {
         const blk_q6_k *x = (const blk_q6_k *)b;
         for (int h = 0; h < 2; h++) {
