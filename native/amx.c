@@ -161,9 +161,21 @@ static void amx_config(void) {
  * before the tile stores. A compiler barrier before and after the tile loops. */
 #define AMX_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
 
+/* $KTINJECT_AMX_PF_L2=1: the tile GEMMs' prefetches of weight rows ahead go to L2 (T1), not L1 (A/B: the 32 rows
+ * of a k-step read in place, 4 KiB apart for V2-Lite's BF16 gate/up, fall in one 12-way L1 set) */
+static int pf_l2_flag = -1;
+static inline int pf_l2(void) {
+    if (pf_l2_flag < 0) { const char *s = getenv("KTINJECT_AMX_PF_L2"); pf_l2_flag = s && s[0] == '1'; }
+    return pf_l2_flag;
+}
+static inline void prefetch_line(const void *p, int l2) {
+    if (l2) _mm_prefetch((const char *)p, _MM_HINT_T1);
+    else _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
 /* the 32 rows' 64 bytes of one k-step, its A tiles at A and A + a_rt, rows a_stride bytes apart */
-static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride) {
-    for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(A + (r >> 4) * a_rt) + (r & 15) * a_stride, _MM_HINT_T0);
+static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride, int l2) {
+    for (int r = 0; r < 32; r++) prefetch_line((const char *)(A + (r >> 4) * a_rt) + (r & 15) * a_stride, l2);
 }
 
 /* the bytes [p, p + n) of a region ending at end, into L2 */
@@ -181,13 +193,14 @@ KTK_AMX_TARGET
 static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64_t a_stride, int64_t K, int pf,
                             const uint16_t *pk, int64_t nt, float *C, int64_t ldc, const uint8_t *nx, int64_t nx_bytes) {
     if (!t_configured) amx_config();
+    const int l2 = pf_l2();
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
     const int64_t nx_step = nx ? (nx_bytes + 64 * KS - 1) / (64 * KS) * 64 : 0;   /* bytes per k-step */
     const uint8_t *nx_end = nx ? nx + nx_bytes : NULL;
     /* each k-step of the two loops below: the A rows pf steps ahead (first pass), and its share of nx */
 #define STEP_PREFETCH(ks)                                                                          \
     do {                                                                                           \
-        if (pf && (ks) + pf < KS) prefetch_a(A + ((ks) + pf) * a_ks, a_rt, a_stride);               \
+        if (pf && (ks) + pf < KS) prefetch_a(A + ((ks) + pf) * a_ks, a_rt, a_stride, l2);           \
         if (tt == 0 && nx) prefetch_next(nx + (ks) * nx_step, nx_step, nx_end);                   \
     } while (0)
     AMX_MEMORY_BARRIER();
@@ -309,6 +322,7 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
                            const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc,
                            int32_t *ci, uint8_t *a8, int pf, int overlap, int64_t ahead) {
     if (!t_configured) amx_config();
+    const int l2 = pf_l2();
     const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
     const uint8_t *At = four ? a8 : A;   /* the bytes the tiles load */
     for (int64_t tt = 0; tt < ntt; tt += 2) {
@@ -328,11 +342,11 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
                     if (ks == 0)
                         for (int64_t j = 0; j < ahead && j < KS; j++) i4_widen(A + j * 1024, a8 + j * 2048);
                     if (pf && kw + pf < KS)
-                        for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(A + (kw + pf) * 1024 + 64 * i), _MM_HINT_T0);
+                        for (int i = 0; i < 16; i++) prefetch_line(A + (kw + pf) * 1024 + 64 * i, l2);
                     if (kw < KS) i4_widen(A + kw * 1024, a8 + kw * 2048);
                     AMX_MEMORY_BARRIER();
                 } else if (!four && pf && tt == 0 && ks + pf < KS) {
-                    prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64);
+                    prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64, l2);
                 }
                 _tile_loadd(4, At + ks * 2048, 64);
                 _tile_loadd(5, At + ks * 2048 + 1024, 64);

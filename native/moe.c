@@ -73,6 +73,7 @@ struct ktk_moe {
     int i4_ahead;                                      /* I4: widen the nibbles this many k-steps before their loads */
     int64_t gu_claim;                                  /* AMX prefill: gate/up items a worker claims at once (0: the pool's) */
     int i4;                                            /* the copies are I4 ones (desc i8_bits 4) */
+    int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
 
@@ -164,6 +165,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         s = getenv("KTINJECT_AMX_GU_CLAIM");   /* AMX prefill: consecutive gate/up items (row chunks of one expert) */
         m->gu_claim = s ? atol(s) : 4;         /* per claim, so its packed tokens stay in one worker's L2 (0: the pool's) */
         if (m->gu_claim < 0 || m->gu_claim > 64) m->gu_claim = 4;
+        s = getenv("KTINJECT_DOWN_ACC");   /* 0: grouped down sums straight into the output rows (A/B) */
+        m->down_acc = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
@@ -193,15 +196,18 @@ static inline float silu(float g) { return g / (1.f + expf(-g)); }
 /* Per-thread scratch: W f32 [RC, maxk], W bf16 [RC, maxk] (tile-major), two C blocks of
  * RC x (maxcnt rounded up to 16) floats; C[j * ct + r * cr] = row r . token j (grouped sets the
  * strides: the f32 GEMM writes token-major, AMX row-major). */
-typedef struct { float *wf; uint16_t *wb; float *c0, *c1; int64_t ct, cr; } scratch_t;
+typedef struct { float *wf; uint16_t *wb; float *c0, *c1, *acc; int64_t ct, cr; } scratch_t;
 
+/* (and acc: [T][RC] floats, the down phase's sums of the grouped experts for one item's 32 output rows) */
 static scratch_t get_scratch(ktk_moe *m, int tid) {
     size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * m->maxk * 2, c = (size_t)(m->maxcnt + 16) * RC * 4;
     wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
-    uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c);
-    scratch_t r = {0, 0, 0, 0, 0, 0};
+    const size_t acc = (size_t)m->T * RC * 4;
+    uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c + acc);
+    scratch_t r = {0, 0, 0, 0, 0, 0, 0};
     if (!s) return r;
     r.wf = (float *)s; r.wb = (uint16_t *)(s + wf); r.c0 = (float *)(s + wf + wb); r.c1 = (float *)(s + wf + wb + c);
+    r.acc = (float *)(s + wf + wb + 2 * c);
     return r;
 }
 
@@ -400,9 +406,15 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     const ktk_moe_desc *d = &m->d;
     int64_t H = d->hidden, I = d->inter, r0 = c * m->rcd, rc = m->rcd;
     size_t ab = ktk_act_bytes(I);
-    for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
+    /* The grouped experts' weighted sums go to a compact [T][RC] block (acc) and reach the output once, at the
+     * end: summed into the output's rows H floats apart, every token's row of a V2-Lite layer (H = 2048: 8 KiB)
+     * falls in the same few cache sets, and the read-modify-writes missed L1 and L2 (KTINJECT_DOWN_ACC=0: the old
+     * order, for A/B). With no row-dot expert in the layer the block is the output's only writer: copied, not added. */
+    const int use_acc = m->down_acc && m->ntile > 0 && rc == RC, only_acc = use_acc && m->nplain == 0;
+    if (!only_acc)
+        for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
     ktk_dotn_fn dd = m->K->dotn[d->down_type];
-    scratch_t s = {0, 0, 0, 0, 0, 0};
+    scratch_t s = {0, 0, 0, 0, 0, 0, 0};
     if (d->down_r16) {   /* R16: the (expert, token) pairs of the row-dot experts, up to KTK_R16_P per call */
         const int64_t rb = ktk_r16_row_bytes(d->down_type, I);
         r16_batch b;
@@ -426,8 +438,13 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
         int64_t e = m->act[a], n = m->cnt[e], base = m->off[e];
         const uint8_t *rows = d->down + e * d->down_es + r0 * d->down_rb;
         if (m->tile[e]) {
-            if (!s.wf) s = get_scratch(m, tid);
-            if (!s.wf) return;
+            if (!s.wf) {
+                s = get_scratch(m, tid);
+                if (!s.wf) return;
+                if (use_acc) memset(s.acc, 0, (size_t)(m->T * RC) * sizeof(float));
+            }
+            float *o_base = use_acc ? s.acc : m->out + r0;
+            const int64_t o_ld = use_acc ? RC : H;
             if (m->i8_dn) {
                 TR_START();
                 grouped_i8(m, &s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
@@ -445,10 +462,10 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
                         m->vnni_dn ? m->hs8 + m->pk_off[e] / 16 * 2 * I : NULL, n, s.c0);
             }
             TR_START();
-            if (s.ct == 1) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->out + r0, m->tok + base, H, m->wt + base);
+            if (s.ct == 1) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, o_base, m->tok + base, o_ld, m->wt + base);
             else
                 for (int64_t j = 0; j < n; j++) {
-                    float *o = m->out + m->tok[base + j] * H + r0, wv = m->wt[base + j];
+                    float *o = o_base + m->tok[base + j] * o_ld, wv = m->wt[base + j];
                     const float *c = s.c0 + j * s.ct;
                     for (int r = 0; r < RC; r++) o[r] += wv * c[r * s.cr];
                 }
@@ -478,6 +495,16 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
                 for (int q = 0; q < DG; q++) o[q * S] += wv * dv[q];
             }
         }
+    }
+    if (use_acc && s.acc) {
+        TR_START();
+        for (int64_t t = 0; t < m->T; t++) {
+            float *o = m->out + t * H + r0;
+            const float *a = s.acc + t * RC;
+            if (only_acc) memcpy(o, a, RC * sizeof(float));
+            else for (int r = 0; r < RC; r++) o[r] += a[r];
+        }
+        TR_ADD(tid, 5);
     }
 }
 

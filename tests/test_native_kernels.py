@@ -174,6 +174,29 @@ def test_moe_kernel(isa, qt, T, grouped, monkeypatch):
     assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, grouped), (isa, qt.name, T)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("acc", ["1", "0"], ids=["down-acc", "down-direct"])
+def test_moe_grouped_and_row_dot_experts_in_one_layer(isa, acc, monkeypatch):
+    """Some experts with many tokens (grouped path), some with one to three (row dots), in one call: both
+    add into the same output rows in the down phase, the grouped ones through its compact block first
+    (KTINJECT_DOWN_ACC=1, the default) or straight into the output (0)."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
+    monkeypatch.setenv("KTINJECT_DOWN_ACC", acc)
+    (gate, up, down), (G, U, D) = moe_case(QT.Q4_K, QT.Q4_K)
+    kern = native.MoEKernel(gate, up, down, threads=2, isa=isa)
+    T = 40
+    x = torch.randn(T, 256)
+    t = torch.arange(T)
+    ids = torch.stack([t % 4, 4 + t % 3], dim=1)   # experts 0-6: 10-14 tokens each (grouped)
+    ids[T - 2:, 1] = 7                              # expert 7: two tokens (row dots)
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    assert (counts < 4).any() and (counts >= 4).any(), counts
+    w = torch.rand(T, 2, generator=torch.Generator().manual_seed(5))
+    out = kern(x, ids.contiguous(), w)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, QT.Q4_K, True), (isa, counts.tolist())
+
+
 @pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in ISAS])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.BF16], ids=lambda q: q.name)
 def test_moe_packed_f32_path_matches_unpacked(isa, qt, monkeypatch):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A/B of environment settings on the AMX prefill layer (one V2-Lite layer, batch 512) on the lent host,
+# alternating settings inside each round: Q4_K from I4 copies (--int8 --int8-bits 4) and BF16 on bf16 tiles.
+# Usage (device): AB_ENV="KTINJECT_DOWN_ACC=0 KTINJECT_DOWN_ACC=1" bash scripts/device_prefill_ab.sh
+#   (ISA=avx512 GIB=0.3 for a dry run off the device; several variables in one setting joined by commas: "A=1,B=2"; "-" for no change; AB_THREADS="8 15",
+#    AB_ROUNDS="1 2", AB_LINES="i4 bf16", SECONDS_PER=1.0, TRACE=--trace)
+# Output: $OUT/ab.jsonl (the bench's JSON lines with the setting), one summary line each on stdout.
+set -o pipefail
+DEFAULT_OUT=ab_out
+. scripts/device_env.sh
+python3 -m ktinject.native.build 2>&1 | tail -1
+line() {   # setting threads label [bench flags]
+  local e=$1 th=$2 label=$3; shift 3
+  (if [ "$e" != "-" ]; then IFS=,; for kv in $e; do export "$kv"; done; unset IFS; fi
+   timeout -s KILL 150 python3 -m ktinject bench experts --batch 512 --threads $th --isa ${ISA:-amx} --gib ${GIB:-2} --probe-gib 0.25 \
+     --seconds ${SECONDS_PER:-1.0} --rounds 2 --json ${TRACE:-} "$@" 2>>"$OUT/ab.err") | python3 -c "import sys, json
+for l in sys.stdin:
+    if not l.startswith('{'): continue
+    r = json.loads(l); r['setting'] = '$e'; r['label'] = '$label'
+    open('$OUT/ab.jsonl', 'a').write(json.dumps(r) + '\n')
+    tr = r.get('trace_us') or {}
+    print('$label', '$e', 't$th', r['quant'], r['ms_per_layer'], 'ms', r.get('tflops'), 'TFLOPS', 'probe', r.get('amx_probe_us'),
+          {k: tr[k] for k in ('quantize_x', 'gate_up', 'quantize_h', 'down') if k in tr})"
+}
+for round in ${AB_ROUNDS:-1 2}; do
+  for th in ${AB_THREADS:-8 15}; do
+    for e in ${AB_ENV:--}; do
+      for l in ${AB_LINES:-i4 bf16}; do
+        case $l in
+          i4) line "$e" $th "i4 r$round" --quant q4_k --int8 --int8-bits 4 ;;
+          bf16) line "$e" $th "bf16 r$round" --quant bf16 ;;
+        esac
+      done
+    done
+  done
+done
