@@ -268,15 +268,21 @@ static float quant_group_512(const float *w, int64_t G, int8_t *q, int32_t *qsum
  * then each of the group's k-steps moved to its B tile as 8 x 8 transposes of 4-byte quads (a tile
  * row is one quad of each of the 16 tokens). Writing quads one by one instead, 4 bytes to each of 16
  * lines per token, took 0.6 ms of a V2-Lite layer at 16 threads (twenty-fourth session). */
+static int pack_pf_flag = -1;   /* KTINJECT_PACK_PREFETCH=0: pack_tile_512 does not prefetch the next token (A/B) */
+
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void pack_tile_512(const float *const *X, int64_t nt, int64_t tt, int64_t K, int64_t G, int8_t *pk, float *ts,
                           float *tz) {
     const int64_t KS = K / 64, NG = K / G;
+    if (pack_pf_flag < 0) { const char *e = getenv("KTINJECT_PACK_PREFETCH"); pack_pf_flag = !(e && e[0] == '0'); }
+    const int pf_next = pack_pf_flag;
     int8_t q[16 * KTK_I8_GMAX] __attribute__((aligned(64)));
     for (int64_t g = 0; g < NG; g++) {
         for (int t = 0; t < 16; t++) {
             const int64_t tok = tt * 16 + t, at = (tt * NG + g) * 16 + t;
             int32_t qs = 0;
+            if (pf_next && tok + 1 < nt)   /* the next token's group: its row is elsewhere (a gather), no hardware prefetch */
+                for (int64_t i = 0; i < G; i += 16) _mm_prefetch((const char *)(X[tok + 1] + g * G + i), _MM_HINT_T0);
             if (tok < nt) {
                 ts[at] = quant_group_512(X[tok] + g * G, G, q + t * G, &qs);
             } else {
