@@ -260,7 +260,7 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
  * A: the block's int8 rows, tile-major ([K / 64][32 rows][64 values]: each 16-row A tile of a
  * 64-value k-step is 1 KiB); ws: their scales, row r's group g at ws[r * NG + g]; pk, ts: the tokens
  * by ktk_amx_pack_x_i8. Blocking as in amx_gemm (2 row tiles x 2 token tiles), but the int32 sums
- * of one group of G values (G / 64 k-steps) are stored to ci (4 KiB) and scaled into C per group:
+ * of one group of G values (G / 64 k-steps) are stored to ci (4 KiB; 6 with three token tiles) and scaled into C per group:
  * C[r][t] (+)= sum * ws[r][g] * ts[t][g], that scaling issued after the next group's first tile
  * products, so that it runs while they do. */
 #if defined(KTK_AMX_EMULATE)
@@ -315,8 +315,39 @@ KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
 }
 #endif
 
+/* $KTINJECT_AMX_TRIPLE=1: an odd number (3 or more) of token tiles starts with one pass over three of them, six C
+ * tiles (A/B; see gemm_ix) */
+static int triple_flag = -1;
+static inline int triple_on(void) {
+    if (triple_flag < 0) { const char *s = getenv("KTINJECT_AMX_TRIPLE"); triple_flag = s && s[0] == '1'; }
+    return triple_flag;
+}
+
+/* The first pass's work at k-step ks, before its tile loads: I4 nibbles widened `ahead` k-steps before they are
+ * loaded (and, at the start, the ones before that), the copy's rows prefetched pf k-steps further on */
+KTK_AMX_TARGET
+static inline void first_pass_step(const int four, const uint8_t *A, uint8_t *a8, int64_t ks, int64_t KS, int64_t ahead,
+                                   int pf, int l2) {
+    if (four) {
+        const int64_t kw = ks + ahead;
+        if (ks == 0)
+            for (int64_t j = 0; j < ahead && j < KS; j++) i4_widen(A + j * 1024, a8 + j * 2048);
+        if (pf && kw + pf < KS)
+            for (int i = 0; i < 16; i++) prefetch_line(A + (kw + pf) * 1024 + 64 * i, l2);
+        if (kw < KS) i4_widen(A + kw * 1024, a8 + kw * 2048);
+        AMX_MEMORY_BARRIER();
+    } else if (pf && ks + pf < KS) {
+        prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64, l2);
+    }
+}
+
 /* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass, products
- * of unsigned weights and signed tokens, and the zeros' term in each group's scaling) */
+ * of unsigned weights and signed tokens, and the zeros' term in each group's scaling).
+ * Token tiles go in pairs (2 row tiles x 2 token tiles: four C tiles, two A and two B), a last odd one alone.
+ * With KTINJECT_AMX_TRIPLE=1 an odd count of 3 or more starts with three token tiles in one pass instead (a
+ * V2-Lite expert's 48 tokens at batch 512): six C tiles, one A and one B tile reloaded, A0 against B0, B1, B2,
+ * then A1 against B2, B1, B0: seven tile loads for six products, as the pair and the lone tile take, but every
+ * A tile used in the k-step it is widened or fetched, and no second pass reading the block's rows again. */
 KTK_AMX_TARGET
 static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G,
                            const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc,
@@ -325,7 +356,49 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
     const int l2 = pf_l2();
     const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
     const uint8_t *At = four ? a8 : A;   /* the bytes the tiles load */
-    for (int64_t tt = 0; tt < ntt; tt += 2) {
+#define DP(c, a, b) do { if (four) _tile_dpbusd(c, a, b); else _tile_dpbssd(c, a, b); } while (0)
+    int64_t tt = 0;
+    if (ntt >= 3 && ntt % 2 && triple_on()) {
+        const int8_t *b0 = pk, *b1 = b0 + KS * 1024, *b2 = b1 + KS * 1024;
+        const float *ts0 = ts, *ts1 = ts0 + NG * 16, *ts2 = ts1 + NG * 16;
+        const float *tz0 = four ? tz : NULL, *tz1 = four ? tz0 + NG * 16 : NULL, *tz2 = four ? tz1 + NG * 16 : NULL;
+#define SCALE3(gg, first)                                                                                             \
+        do {                                                                                                          \
+            i8_scale(ci, ws, four ? wz : NULL, NG, gg, ts0 + (gg) * 16, ts1 + (gg) * 16, four ? tz0 + (gg) * 16 : NULL, \
+                     four ? tz1 + (gg) * 16 : NULL, C, ldc, first);                                                   \
+            i8_scale(ci + 1024, ws, four ? wz : NULL, NG, gg, ts2 + (gg) * 16, NULL, four ? tz2 + (gg) * 16 : NULL,    \
+                     NULL, C + 32, ldc, first);                                                                       \
+        } while (0)
+        for (int64_t g = 0; g < NG; g++) {
+            AMX_MEMORY_BARRIER();
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+            for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
+                first_pass_step(four, A, a8, ks, KS, ahead, pf, l2);
+                _tile_loadd(6, At + ks * 2048, 64);
+                _tile_loadd(7, b0 + ks * 1024, 64); DP(0, 6, 7);
+                _tile_loadd(7, b1 + ks * 1024, 64); DP(1, 6, 7);
+                _tile_loadd(7, b2 + ks * 1024, 64); DP(2, 6, 7);
+                _tile_loadd(6, At + ks * 2048 + 1024, 64); DP(5, 6, 7);
+                _tile_loadd(7, b1 + ks * 1024, 64); DP(4, 6, 7);
+                _tile_loadd(7, b0 + ks * 1024, 64); DP(3, 6, 7);
+                if (overlap && ks == g * SG && g > 0) {
+                    AMX_MEMORY_BARRIER();
+                    SCALE3(g - 1, g == 1);
+                    AMX_MEMORY_BARRIER();
+                }
+            }
+            AMX_MEMORY_BARRIER();   /* ci as i8_scale reads it: [token tile j][row tile][16 x 16] */
+            _tile_stored(0, ci, 64);        _tile_stored(3, ci + 256, 64);
+            _tile_stored(1, ci + 512, 64);  _tile_stored(4, ci + 768, 64);
+            _tile_stored(2, ci + 1024, 64); _tile_stored(5, ci + 1280, 64);
+            AMX_MEMORY_BARRIER();
+            if (!overlap) SCALE3(g, g == 0);
+        }
+        if (overlap) SCALE3(NG - 1, NG == 1);
+#undef SCALE3
+        tt = 3;
+    }
+    for (; tt < ntt; tt += 2) {
         const int two = tt + 1 < ntt;
         const int8_t *b0 = pk + tt * KS * 1024, *b1 = b0 + KS * 1024;
         const float *ts0 = ts + tt * NG * 16, *ts1 = two ? ts0 + NG * 16 : NULL;
@@ -337,26 +410,14 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
             _tile_zero(0); _tile_zero(1);
             if (two) { _tile_zero(2); _tile_zero(3); }
             for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                if (four && tt == 0) {   /* widen k-step ks + ahead (and, at the start, the ones before it) */
-                    const int64_t kw = ks + ahead;
-                    if (ks == 0)
-                        for (int64_t j = 0; j < ahead && j < KS; j++) i4_widen(A + j * 1024, a8 + j * 2048);
-                    if (pf && kw + pf < KS)
-                        for (int i = 0; i < 16; i++) prefetch_line(A + (kw + pf) * 1024 + 64 * i, l2);
-                    if (kw < KS) i4_widen(A + kw * 1024, a8 + kw * 2048);
-                    AMX_MEMORY_BARRIER();
-                } else if (!four && pf && tt == 0 && ks + pf < KS) {
-                    prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64, l2);
-                }
+                if (tt == 0) first_pass_step(four, A, a8, ks, KS, ahead, pf, l2);
                 _tile_loadd(4, At + ks * 2048, 64);
                 _tile_loadd(5, At + ks * 2048 + 1024, 64);
                 _tile_loadd(6, b0 + ks * 1024, 64);
-                if (four) { _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 5, 6); }
-                else { _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 5, 6); }
+                DP(0, 4, 6); DP(1, 5, 6);
                 if (two) {
                     _tile_loadd(7, b1 + ks * 1024, 64);
-                    if (four) { _tile_dpbusd(2, 4, 7); _tile_dpbusd(3, 5, 7); }
-                    else { _tile_dpbssd(2, 4, 7); _tile_dpbssd(3, 5, 7); }
+                    DP(2, 4, 7); DP(3, 5, 7);
                 }
                 if (overlap && ks == g * SG && g > 0) {   /* the previous group's sums into C while these products run */
                     AMX_MEMORY_BARRIER();
@@ -377,6 +438,7 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
         if (overlap) SCALE(NG - 1, NG == 1);
 #undef SCALE
     }
+#undef DP
 }
 
 KTK_AMX_TARGET

@@ -110,7 +110,7 @@ static int check_ix(int bits) {
             float *xq = malloc((size_t)(48 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 64 * 4);
             int8_t *pk = aligned_alloc(64, (size_t)(48 * n)); float *ts = malloc((size_t)(48 * n / G) * 4);
             float *tz = malloc((size_t)(48 * n / G) * 4);
-            int32_t *ci = aligned_alloc(64, 4096);
+            int32_t *ci = aligned_alloc(64, 6144);
             uint8_t *a8 = aligned_alloc(64, (size_t)(32 * n));
             const float *xp[48];
             fill(t, rows, E * R, n);
@@ -194,7 +194,7 @@ static int check_ix(int bits) {
         float *x = malloc((size_t)(17 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 32 * 4), *ts = malloc(2 * 16 * 4);
         float *tz = malloc(2 * 16 * 4);
         int8_t *pk = aligned_alloc(64, (size_t)(32 * n));
-        int32_t *ci = aligned_alloc(64, 4096);
+        int32_t *ci = aligned_alloc(64, 6144);
         const float *xp[17];
         fill(KTK_BF16, rows, 32, n);
         const uint16_t qnan = 0x7fc0;

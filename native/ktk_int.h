@@ -217,7 +217,7 @@ void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int6
 void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows);
 /* The AMX-INT8 path (layouts in i8.c): C[r*ldc + t] = dot(row r, token t) for the block of 32 rows
  * of an I8 copy at A (scales ws, row r's group g at ws[r * K / G + g]) and the tokens packed by
- * ktk_amx_pack_x_i8 (pk, ts); ci: 1024 int32 of scratch; pf: in the first pass over the tokens,
+ * ktk_amx_pack_x_i8 (pk, ts); ci: 1536 int32 (6 KiB) of scratch; pf: in the first pass over the tokens,
  * prefetch the rows this many k-steps ahead (0: none; the copy is read from memory there);
  * overlap: scale a group's sums into C while the next group's products run (0: after each group). */
 void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,

@@ -201,6 +201,7 @@ typedef struct { float *wf; uint16_t *wb; float *c0, *c1, *acc; int64_t ct, cr; 
 /* (and acc: [T][RC] floats, the down phase's sums of the grouped experts for one item's 32 output rows) */
 static scratch_t get_scratch(ktk_moe *m, int tid) {
     size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * m->maxk * 2, c = (size_t)(m->maxcnt + 16) * RC * 4;
+    if (wb < 6144) wb = 6144;   /* (wb is also the INT8 tile GEMM's ci: 6 KiB) */
     wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
     const size_t acc = (size_t)m->T * RC * 4;
     uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c + acc);

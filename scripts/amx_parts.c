@@ -435,7 +435,7 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
 static int i8(void) {
     const int64_t Ks[] = {2048, 1408}, COLD = 2048;
     const int ntoks[] = {16, 32, 48, 64, 96};
-    int32_t *ci = aligned_alloc(64, 4096);
+    int32_t *ci = aligned_alloc(64, 6144);
     uint8_t *a8 = aligned_alloc(64, 32 * 2048);   /* the I4 GEMM's widened rows */
     for (int ki = 0; ki < 2; ki++) {
         const int64_t K = Ks[ki], KS = K / 64;
