@@ -173,6 +173,14 @@ static inline void prefetch_line(const void *p, int l2) {
     else _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
 
+/* $KTINJECT_AMX_TRIPLE=1: an odd number (3 or more) of token tiles starts with one pass over three of them, six C
+ * tiles (A/B; see gemm_ix and amx_gemm) */
+static int triple_flag = -1;
+static inline int triple_on(void) {
+    if (triple_flag < 0) { const char *s = getenv("KTINJECT_AMX_TRIPLE"); triple_flag = s && s[0] == '1'; }
+    return triple_flag;
+}
+
 /* the 32 rows' 64 bytes of one k-step, its A tiles at A and A + a_rt, rows a_stride bytes apart */
 static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride, int l2) {
     for (int r = 0; r < 32; r++) prefetch_line((const char *)(A + (r >> 4) * a_rt) + (r & 15) * a_stride, l2);
@@ -204,7 +212,27 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
         if (tt == 0 && nx) prefetch_next(nx + (ks) * nx_step, nx_step, nx_end);                   \
     } while (0)
     AMX_MEMORY_BARRIER();
-    for (int64_t tt = 0; tt < ntt; tt += 2, pf = 0) {
+    int64_t tt3 = 0;
+    if (ntt >= 3 && ntt % 2 && triple_on()) {   /* three token tiles in one pass first, as in gemm_ix */
+        const int64_t tt = 0;
+        const uint16_t *b0 = pk, *b1 = pk + KS * 512, *b2 = pk + 2 * KS * 512;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+        for (int64_t ks = 0; ks < KS; ks++) {
+            STEP_PREFETCH(ks);
+            _tile_loadd(6, A + ks * a_ks, a_stride);
+            _tile_loadd(7, b0 + ks * 512, 64); _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, b1 + ks * 512, 64); _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(7, b2 + ks * 512, 64); _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(6, A + ks * a_ks + a_rt, a_stride); _tile_dpbf16ps(5, 6, 7);
+            _tile_loadd(7, b1 + ks * 512, 64); _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(7, b0 + ks * 512, 64); _tile_dpbf16ps(3, 6, 7);
+        }
+        _tile_stored(0, C, ldc * 4); _tile_stored(1, C + 16, ldc * 4); _tile_stored(2, C + 32, ldc * 4);
+        _tile_stored(3, C + 16 * ldc, ldc * 4); _tile_stored(4, C + 16 * ldc + 16, ldc * 4);
+        _tile_stored(5, C + 16 * ldc + 32, ldc * 4);
+        tt3 = 3; pf = 0; nx = NULL;
+    }
+    for (int64_t tt = tt3; tt < ntt; tt += 2, pf = 0) {
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
         float *c0 = C + tt * 16, *c1 = C + 16 * ldc + tt * 16;
         _tile_zero(0); _tile_zero(1);
@@ -314,14 +342,6 @@ KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
     }
 }
 #endif
-
-/* $KTINJECT_AMX_TRIPLE=1: an odd number (3 or more) of token tiles starts with one pass over three of them, six C
- * tiles (A/B; see gemm_ix) */
-static int triple_flag = -1;
-static inline int triple_on(void) {
-    if (triple_flag < 0) { const char *s = getenv("KTINJECT_AMX_TRIPLE"); triple_flag = s && s[0] == '1'; }
-    return triple_flag;
-}
 
 /* The first pass's work at k-step ks, before its tile loads: I4 nibbles widened `ahead` k-steps before they are
  * loaded (and, at the start, the ones before that), the copy's rows prefetched pf k-steps further on */

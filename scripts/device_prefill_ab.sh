@@ -29,7 +29,7 @@ for round in ${AB_ROUNDS:-1 2}; do
       for l in ${AB_LINES:-i4 bf16}; do
         case $l in
           i4) line "$e" $th "i4 r$round" --quant q4_k --int8 --int8-bits 4 ;;
-          bf16) case $e in *TRIPLE*) ;; *) line "$e" $th "bf16 r$round" --quant bf16 ;; esac ;;   # (no INT8 GEMM there)
+          bf16) line "$e" $th "bf16 r$round" --quant bf16 ;;
         esac
       done
     done
