@@ -281,8 +281,9 @@ static void pack_tile_512(const float *const *X, int64_t nt, int64_t tt, int64_t
         for (int t = 0; t < 16; t++) {
             const int64_t tok = tt * 16 + t, at = (tt * NG + g) * 16 + t;
             int32_t qs = 0;
-            if (pf_next && tok + 1 < nt)   /* the next token's group: its row is elsewhere (a gather), no hardware prefetch */
-                for (int64_t i = 0; i < G; i += 16) _mm_prefetch((const char *)(X[tok + 1] + g * G + i), _MM_HINT_T0);
+            if (pf_next && tok + 1 < nt)   /* the next token's group starts elsewhere (a gather): its first 1 KiB, */
+                for (int64_t i = 0; i < G && i < 256; i += 16)   /* after which the hardware streams the rest */
+                    _mm_prefetch((const char *)(X[tok + 1] + g * G + i), _MM_HINT_T0);
             if (tok < nt) {
                 ts[at] = quant_group_512(X[tok] + g * G, G, q + t * G, &qs);
             } else {

@@ -15,6 +15,8 @@
  *   /tmp/amx_parts data [K]     (gemm on rows of different data; the layer's item sequence on one thread)
  *   /tmp/amx_parts i8           (the AMX-INT8 GEMM of I8 copies by K, group size and tokens, hot and
  *                                cold, beside the bf16 GEMM of the same block)
+ *   /tmp/amx_parts pack         (the INT8 token packing, tokens gathered from 64 MiB; no AMX needed)
+ *   /tmp/amx_parts sums         (a down item's weighted sums into the output rows or a compact block; no AMX)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #include "ktk_int.h"
@@ -500,7 +502,71 @@ static int i8(void) {
     return 0;
 }
 
+/* pack: the INT8 token packing of 48 tokens (K 2048, G 256; K 1408, G 704) gathered at random from 64 MiB of
+ * tokens, as a batch-512 layer's experts take theirs (no AMX needed; run it with KTINJECT_PACK_PREFETCH=0 and 1) */
+static int pack(void) {
+    const int64_t T = 8192, KMAX = 2048, nt = 48;
+    float *x = aligned_alloc(64, (size_t)(T * KMAX) * 4);
+    for (int64_t i = 0; i < T * KMAX; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    int8_t *pk = aligned_alloc(64, (size_t)(64 * KMAX));
+    float *ts = malloc((size_t)(64 * KMAX / 64) * 4), *tz = malloc((size_t)(64 * KMAX / 64) * 4);
+    const int64_t shapes[2][2] = {{2048, 256}, {1408, 704}};
+    const float *X[48];
+    uint64_t r = 88172645463325252ull;
+    for (int si = 0; si < 2; si++) {
+        const int64_t K = shapes[si][0], G = shapes[si][1];
+        double best = 1e30, sum = 0;
+        for (int rep = 0; rep < 2000; rep++) {
+            for (int j = 0; j < nt; j++) { r ^= r << 13; r ^= r >> 7; r ^= r << 17; X[j] = x + (int64_t)(r % (uint64_t)T) * KMAX; }
+            const double t0 = now();
+            ktk_amx_pack_x_i8(X, nt, K, G, pk, ts, tz);
+            const double el = now() - t0;
+            sum += el; if (el < best) best = el;
+        }
+        printf("pack %ld tokens x %ld (G %ld) gathered from 64 MiB: %.1f us mean, %.1f best\n", (long)nt, (long)K, (long)G,
+               sum / 2000 * 1e6, best * 1e6);
+    }
+    free(x); free(pk); free(ts); free(tz);
+    return 0;
+}
+
+/* sums: a batch-512 V2-Lite down item's weighted sums (64 experts x 48 tokens, 32 rows each) added into the
+ * output's rows H = 2048 floats apart, against a compact [512][32] block written out once (phase_down) */
+static int sums(void) {
+    const int64_t T = 512, H = 2048, E = 64, n = 48;
+    float *out = aligned_alloc(64, (size_t)(T * H) * 4), *acc = aligned_alloc(64, (size_t)(T * 32) * 4), C[32 * 48];
+    int64_t *tok = malloc((size_t)(E * n) * 8);
+    float *wt = malloc((size_t)(E * n) * 4);
+    for (int i = 0; i < 32 * 48; i++) C[i] = (float)i * 1e-3f;
+    uint64_t r = 88172645463325252ull;
+    for (int64_t i = 0; i < E * n; i++) { r ^= r << 13; r ^= r >> 7; r ^= r << 17; tok[i] = (int64_t)(r % (uint64_t)T); wt[i] = 0.1f; }
+    memset(out, 0, (size_t)(T * H) * 4);
+    for (int mode = 0; mode < 2; mode++) {
+        double best = 1e30;
+        for (int rep = 0; rep < 20; rep++) {
+            const double t0 = now();
+            for (int64_t r0 = 0; r0 < H; r0 += 32) {
+                if (mode == 0) {
+                    for (int64_t t = 0; t < T; t++) memset(out + t * H + r0, 0, 128);
+                    for (int64_t e = 0; e < E; e++) ktk_amx_c_to_rows(C, 48, 32, n, out + r0, tok + e * n, H, wt + e * n);
+                } else {
+                    memset(acc, 0, (size_t)(T * 32) * 4);
+                    for (int64_t e = 0; e < E; e++) ktk_amx_c_to_rows(C, 48, 32, n, acc, tok + e * n, 32, wt + e * n);
+                    for (int64_t t = 0; t < T; t++) memcpy(out + t * H + r0, acc + t * 32, 128);
+                }
+            }
+            const double el = (now() - t0) / (H / 32);
+            if (el < best) best = el;
+        }
+        printf("down item's weighted sums, %s: %.1f us\n", mode ? "compact block, written once" : "into the output rows", best * 1e6);
+    }
+    free(out); free(acc); free(tok); free(wt);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
+    if (argc > 1 && !strcmp(argv[1], "sums")) return sums();
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
 #if defined(KTK_LAYER_TRACE)
     if (argc > 1 && !strcmp(argv[1], "layer"))   /* layer [threads] [bf16|i8|i4] */
