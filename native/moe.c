@@ -74,6 +74,7 @@ struct ktk_moe {
     int64_t gu_claim;                                  /* AMX prefill: gate/up items a worker claims at once (0: the pool's) */
     int i4;                                            /* the copies are I4 ones (desc i8_bits 4) */
     int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
+    int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
 
@@ -290,7 +291,7 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     const uint8_t *g = d->gate + e * d->gate_es + r0 * d->gate_rb, *u = d->up + e * d->up_es + r0 * d->up_rb;
     if (m->tile[e]) {
         scratch_t s = get_scratch(m, tid);
-        if (!s.wf) return;
+        if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
         if (m->i8_gu) {
             const int8_t *pk = pk_i8(m, m->xpk, H, e);
             const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e), *tz = tz_i8(m, m->xpk, H, m->i8_g_gu, e);
@@ -441,7 +442,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
         if (m->tile[e]) {
             if (!s.wf) {
                 s = get_scratch(m, tid);
-                if (!s.wf) return;
+                if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
                 if (use_acc) memset(s.acc, 0, (size_t)(m->T * RC) * sizeof(float));
             }
             float *o_base = use_acc ? s.acc : m->out + r0;
@@ -638,7 +639,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         if (m->vnni_dn) { m->hq8 = (int8_t *)hm; m->hs8 = (float *)(hm + npad * I); }
         else m->hpf = (float *)hm;
     }
-    m->K = K; m->pool = p; m->T = T; m->k = k; m->P = P; m->x = x; m->w = w; m->out = out;
+    m->K = K; m->pool = p; m->T = T; m->k = k; m->P = P; m->x = x; m->w = w; m->out = out; m->fail = 0;
     m->rcd = (m->maxcnt > 0 || H % 64) ? RC : RC / 2;   /* decode: finer down items balance better */
     m->nci = I / RC; m->nch = H / m->rcd;
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
@@ -664,7 +665,8 @@ int ktk_moe_sync(ktk_moe *m, ktk_pool *p) {
     if (m->pool != p) return KTK_EINVAL;
     ktk_pool_wait(p);
     m->busy = 0;
-    return KTK_OK;
+    /* a worker without scratch left some of the output unwritten: an error, not a silent wrong answer */
+    return __atomic_load_n(&m->fail, __ATOMIC_RELAXED) ? KTK_ENOMEM : KTK_OK;
 }
 
 int ktk_moe_forward(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const float *x,
