@@ -69,12 +69,12 @@ def reference_error(o, x, ids, wts, gate, up, down, nt: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ext", required=True)
-    ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--methods", default="int4,bf16")
-    ap.add_argument("--batch", default="1,512")
-    ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--ext", required=True, help="the peer's compiled extension (.so), kt_kernel.libs beside its folder")
+    ap.add_argument("--threads", type=int, required=True, help="the peer's pool size (one subpool, NUMA node 0)")
+    ap.add_argument("--methods", default="int4,bf16", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--batch", default="1,512", help="tokens per call, comma-separated")
+    ap.add_argument("--gib", type=float, default=2.0, help="weights cycled, GiB (layers: 2 to --max-layers)")
+    ap.add_argument("--seconds", type=float, default=1.5, help="per timed round (two rounds, the better kept)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=1408)
     ap.add_argument("--experts", type=int, default=64)
@@ -148,7 +148,7 @@ def main() -> None:
             # the last call's output (layer li, routing r) against float64 on the bf16 weights, first 4 tokens
             li, r = (n - 1) % n_layers, (n - 1) % NR
             err = reference_error(o[li], x[li], ids[r], wts[r], gate, up, down, min(T, 4))
-            # bytes of the experts the batch touches (each once), as ktinject bench counts them
+            # bytes of the experts the batch touches (each once; weights only, without the peer's scales)
             touched = float(np.mean([len(np.unique(ids[r])) for r in range(NR)]))
             gb = touched * 3 * I * H * bpw / 1e9
             rec = {"peer": "kt-kernel", "method": meth, "class": cls_name, "batch": T, "threads": a.threads,
