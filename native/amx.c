@@ -163,11 +163,17 @@ static void amx_config(void) {
 
 /* $KTINJECT_AMX_PF_L2=1: the tile GEMMs' prefetches of weight rows ahead go to L2 (T1), not L1 (A/B: the 32 rows
  * of a k-step read in place, 4 KiB apart for V2-Lite's BF16 gate/up, fall in one 12-way L1 set) */
-static int pf_l2_flag = -1;
-static inline int pf_l2(void) {
-    if (pf_l2_flag < 0) { const char *s = getenv("KTINJECT_AMX_PF_L2"); pf_l2_flag = s && s[0] == '1'; }
-    return pf_l2_flag;
+static inline int env_flag(int *cache, const char *name, int dflt) {   /* read once; racing first readers agree */
+    int v = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *s = getenv(name);
+        v = s && *s ? s[0] == '1' : dflt;
+        __atomic_store_n(cache, v, __ATOMIC_RELAXED);
+    }
+    return v;
 }
+static int pf_l2_flag = -1;
+static inline int pf_l2(void) { return env_flag(&pf_l2_flag, "KTINJECT_AMX_PF_L2", 0); }
 static inline void prefetch_line(const void *p, int l2) {
     if (l2) _mm_prefetch((const char *)p, _MM_HINT_T1);
     else _mm_prefetch((const char *)p, _MM_HINT_T0);
@@ -176,10 +182,7 @@ static inline void prefetch_line(const void *p, int l2) {
 /* $KTINJECT_AMX_TRIPLE=1: an odd number (3 or more) of token tiles starts with one pass over three of them, six C
  * tiles (A/B; see gemm_ix and amx_gemm) */
 static int triple_flag = -1;
-static inline int triple_on(void) {
-    if (triple_flag < 0) { const char *s = getenv("KTINJECT_AMX_TRIPLE"); triple_flag = s && s[0] == '1'; }
-    return triple_flag;
-}
+static inline int triple_on(void) { return env_flag(&triple_flag, "KTINJECT_AMX_TRIPLE", 0); }
 
 /* the 32 rows' 64 bytes of one k-step, its A tiles at A and A + a_rt, rows a_stride bytes apart */
 static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride, int l2) {
@@ -288,8 +291,8 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
  * A: the block's int8 rows, tile-major ([K / 64][32 rows][64 values]: each 16-row A tile of a
  * 64-value k-step is 1 KiB); ws: their scales, row r's group g at ws[r * NG + g]; pk, ts: the tokens
  * by ktk_amx_pack_x_i8. Blocking as in amx_gemm (2 row tiles x 2 token tiles), but the int32 sums
- * of one group of G values (G / 64 k-steps) are stored to ci (4 KiB; 6 with three token tiles) and scaled into C per group:
- * C[r][t] (+)= sum * ws[r][g] * ts[t][g], that scaling issued after the next group's first tile
+ * of one group of G values (G / 64 k-steps) are stored to ci (4 KiB; 6 with three token tiles) and scaled
+ * into C per group: C[r][t] (+)= sum * ws[r][g] * ts[t][g], that scaling issued after the next group's first tile
  * products, so that it runs while they do. */
 #if defined(KTK_AMX_EMULATE)
 static inline void i8_scale(const int32_t *ci, const float *ws, const float *wz, int64_t NG, int64_t g, const float *t0,

@@ -274,8 +274,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void pack_tile_512(const float *const *X, int64_t nt, int64_t tt, int64_t K, int64_t G, int8_t *pk, float *ts,
                           float *tz) {
     const int64_t KS = K / 64, NG = K / G;
-    if (pack_pf_flag < 0) { const char *e = getenv("KTINJECT_PACK_PREFETCH"); pack_pf_flag = !(e && e[0] == '0'); }
-    const int pf_next = pack_pf_flag;
+    int pf_next = __atomic_load_n(&pack_pf_flag, __ATOMIC_RELAXED);   /* read once; racing first readers agree */
+    if (pf_next < 0) {
+        const char *e = getenv("KTINJECT_PACK_PREFETCH");
+        pf_next = !(e && e[0] == '0');
+        __atomic_store_n(&pack_pf_flag, pf_next, __ATOMIC_RELAXED);
+    }
     int8_t q[16 * KTK_I8_GMAX] __attribute__((aligned(64)));
     for (int64_t g = 0; g < NG; g++) {
         for (int t = 0; t < 16; t++) {
