@@ -3,8 +3,7 @@
 # alternating settings inside each round: Q4_K from I4 copies (--int8 --int8-bits 4) and BF16 on bf16 tiles.
 # Usage (device): AB_ENV="KTINJECT_DOWN_ACC=0 KTINJECT_DOWN_ACC=1" bash scripts/device_prefill_ab.sh
 #   (ISA=avx512 GIB=0.3 for a dry run off the device; several variables in one setting joined by commas: "A=1,B=2"; "-" for no change; AB_THREADS="8 15",
-#    AB_ROUNDS="1 2", AB_LINES="i4 bf16", SECONDS_PER=1.0, TRACE=--trace; AB_ENV_EXTRA: settings appended
-#    to AB_ENV, by default the knob under test this session, KTINJECT_AMX_TRIPLE=1; "" for none)
+#    AB_ROUNDS="1 2", AB_LINES="i4 bf16", SECONDS_PER=1.0, TRACE=--trace)
 # Output: $OUT/ab.jsonl (the bench's JSON lines with the setting), one summary line each on stdout.
 set -o pipefail
 DEFAULT_OUT=ab_out
@@ -25,7 +24,7 @@ for l in sys.stdin:
 }
 for round in ${AB_ROUNDS:-1 2}; do
   for th in ${AB_THREADS:-8 15}; do
-    for e in ${AB_ENV:--} ${AB_ENV_EXTRA-KTINJECT_AMX_TRIPLE=1}; do
+    for e in ${AB_ENV:--}; do
       for l in ${AB_LINES:-i4 bf16}; do
         case $l in
           i4) line "$e" $th "i4 r$round" --quant q4_k --int8 --int8-bits 4 ;;
