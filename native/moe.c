@@ -10,6 +10,8 @@
  *                                                   items: row-dot experts + grouped experts
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
+ *       (with every expert grouped: two halves of the experts summed apart and added, in one item or,
+ *       where that balances the threads better, in two: phase_down_halves)          or 2 H/32
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
  * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
@@ -74,6 +76,11 @@ struct ktk_moe {
     int64_t gu_claim;                                  /* AMX prefill: gate/up items a worker claims at once (0: the pool's) */
     int i4;                                            /* the copies are I4 ones (desc i8_bits 4) */
     int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
+    int down_split;                                    /* $KTINJECT_DOWN_SPLIT: 0 by the thread count, 1 never, 2 always */
+    int halves;                                        /* down: grouped experts only, summed as two halves (phase_down) */
+    int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
+    float *dslot;                                      /* [nch][2][T][RC]: the halves' sums when split */
+    int *dcnt;                                         /* [nch] halves done, when split */
     int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
@@ -168,6 +175,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (m->gu_claim < 0 || m->gu_claim > 64) m->gu_claim = 4;
         s = getenv("KTINJECT_DOWN_ACC");   /* 0: grouped down sums straight into the output rows (A/B) */
         m->down_acc = !(s && s[0] == '0');
+        s = getenv("KTINJECT_DOWN_SPLIT");   /* 1: one down item per 32 output rows; 2: two (halves); else by the threads */
+        m->down_split = s && (s[0] == '1' || s[0] == '2') && s[1] == 0 ? s[0] - '0' : 0;
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
@@ -188,7 +197,7 @@ void ktk_moe_free(ktk_moe *m) {
     if (m->busy && m->pool) ktk_pool_wait(m->pool);
     free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->plain_list); free(m->pk_off); free(m->tile);
     free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
-    free(m->xpk_mem); free(m->hpk_mem);
+    free(m->xpk_mem); free(m->hpk_mem); free(m->dslot); free(m->dcnt);
     free(m);
 }
 
@@ -199,12 +208,13 @@ static inline float silu(float g) { return g / (1.f + expf(-g)); }
  * strides: the f32 GEMM writes token-major, AMX row-major). */
 typedef struct { float *wf; uint16_t *wb; float *c0, *c1, *acc; int64_t ct, cr; } scratch_t;
 
-/* (and acc: [T][RC] floats, the down phase's sums of the grouped experts for one item's 32 output rows) */
+/* (and acc: 2 x [T][RC] floats, the down phase's sums of the grouped experts for one item's 32 output rows, a block
+ * per half of the experts when the layer is summed in halves) */
 static scratch_t get_scratch(ktk_moe *m, int tid) {
     size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * m->maxk * 2, c = (size_t)(m->maxcnt + 16) * RC * 4;
     if (wb < 6144) wb = 6144;   /* (wb is also the INT8 tile GEMM's ci: 6 KiB) */
     wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
-    const size_t acc = (size_t)m->T * RC * 4;
+    const size_t acc = (size_t)m->T * RC * 4 * 2;
     uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c + acc);
     scratch_t r = {0, 0, 0, 0, 0, 0, 0};
     if (!s) return r;
@@ -404,17 +414,84 @@ static void r16_down_flush(const ktk_moe *m, r16_batch *b) {
     b->P = 0;
 }
 
+/* One grouped expert's down projection for output rows r0 .. r0 + RC, its tokens' weighted sums added into
+ * o_base (token t's row at o_base + t * o_ld); the next grouped expert before act[a_end] is prefetched. */
+static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int64_t r0, float *o_base, int64_t o_ld, int tid) {
+    const ktk_moe_desc *d = &m->d;
+    int64_t H = d->hidden, I = d->inter, e = m->act[a], n = m->cnt[e], base = m->off[e];
+    const uint8_t *rows = d->down + e * d->down_es + r0 * d->down_rb;
+    if (m->i8_dn) {
+        TR_START();
+        grouped_i8(m, s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
+                   ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e), n, s->c0);
+        TR_ADD(tid, 4);
+    } else if (m->amx) {
+        int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
+        while (a1 < a_end && !m->tile[m->act[a1]]) a1++;
+        const uint8_t *nx = a1 < a_end ? d->down + m->act[a1] * d->down_es + r0 * d->down_rb : NULL;
+        grouped_amx(m, s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s->c0,
+                    nx, RC * d->down_rb, tid, 3);
+    } else {
+        grouped(m, s, d->down_type, rows, d->down_rb, I, m->hptr + base,
+                m->hpf ? m->hpf + m->pk_off[e] * I : NULL, m->vnni_dn ? m->hq8 + m->pk_off[e] * I : NULL,
+                m->vnni_dn ? m->hs8 + m->pk_off[e] / 16 * 2 * I : NULL, n, s->c0);
+    }
+    TR_START();
+    if (s->ct == 1) ktk_amx_c_to_rows(s->c0, s->cr, RC, n, o_base, m->tok + base, o_ld, m->wt + base);
+    else
+        for (int64_t j = 0; j < n; j++) {
+            float *o = o_base + m->tok[base + j] * o_ld, wv = m->wt[base + j];
+            const float *c = s->c0 + j * s->ct;
+            for (int r = 0; r < RC; r++) o[r] += wv * c[r * s->cr];
+        }
+    TR_ADD(tid, 5);
+    (void)tid;
+}
+
+/* A layer whose active experts are all grouped (prefill) sums each chunk of 32 output rows as two halves of
+ * its experts (act[0, amid) and act[amid, nact), split by token tiles), each in its own compact [T][RC] block,
+ * and writes out = half 0 + half 1. One worker does both halves (dsplit 1) or two workers one each (dsplit 2:
+ * where the thread count does not divide the chunks, the last round of the phase has half-size items; the one
+ * finishing second adds the two). The arithmetic is the same either way, so the result does not depend on
+ * the thread count. */
+static void phase_down_halves(ktk_moe *m, int64_t item, int tid) {
+    const int64_t S = m->dsplit, c = item / S, H = m->d.hidden, r0 = c * RC;
+    const size_t blk = (size_t)m->T * RC;
+    scratch_t s = get_scratch(m, tid);
+    if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
+    const int h0 = S == 2 ? (int)(item % 2) : 0, h1 = S == 2 ? h0 + 1 : 2;
+    for (int h = h0; h < h1; h++) {
+        float *acc = S == 2 ? m->dslot + ((size_t)c * 2 + h) * blk : s.acc + h * blk;
+        const int64_t a_lo = h ? m->amid : 0, a_hi = h ? m->nact : m->amid;
+        memset(acc, 0, blk * sizeof(float));
+        for (int64_t a = a_lo; a < a_hi; a++) down_grouped(m, &s, a, S == 2 ? a_hi : m->nact, r0, acc, RC, tid);
+    }
+    const float *A = s.acc;
+    if (S == 2) {   /* the halves' blocks are written before the count goes up (release), read after (acquire) */
+        if (__atomic_fetch_add(&m->dcnt[c], 1, __ATOMIC_ACQ_REL) == 0) return;   /* the other half adds them */
+        A = m->dslot + (size_t)c * 2 * blk;
+    }
+    TR_START();
+    for (int64_t t = 0; t < m->T; t++) {
+        float *o = m->out + t * H + r0;
+        const float *x0 = A + t * RC, *x1 = A + blk + t * RC;
+        for (int r = 0; r < RC; r++) o[r] = x0[r] + x1[r];
+    }
+    TR_ADD(tid, 5);
+    (void)tid;
+}
+
 static void phase_down(ktk_moe *m, int64_t c, int tid) {
+    if (m->halves) { phase_down_halves(m, c, tid); return; }
     const ktk_moe_desc *d = &m->d;
     int64_t H = d->hidden, I = d->inter, r0 = c * m->rcd, rc = m->rcd;
     size_t ab = ktk_act_bytes(I);
     /* The grouped experts' weighted sums go to a compact [T][RC] block (acc) and reach the output once, at the
      * end: summed into the output's rows H floats apart, every token's row of a V2-Lite layer (H = 2048: 8 KiB)
      * falls in the same few cache sets, and the read-modify-writes missed L1 and L2 (KTINJECT_DOWN_ACC=0: the old
-     * order, for A/B). With no row-dot expert in the layer the block is the output's only writer: copied, not added. */
-    const int use_acc = m->down_acc && m->ntile > 0 && rc == RC, only_acc = use_acc && m->nplain == 0;
-    if (!only_acc)
-        for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
+     * order, for A/B). Here row-dot experts share the rows: the block is added (with none, phase_down_halves). */
+    const int use_acc = m->down_acc && m->ntile > 0 && rc == RC;
+    for (int64_t t = 0; t < m->T; t++) memset(m->out + t * H + r0, 0, (size_t)rc * sizeof(float));
     ktk_dotn_fn dd = m->K->dotn[d->down_type];
     scratch_t s = {0, 0, 0, 0, 0, 0, 0};
     if (d->down_r16) {   /* R16: the (expert, token) pairs of the row-dot experts, up to KTK_R16_P per call */
@@ -445,33 +522,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
                 if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
                 if (use_acc) memset(s.acc, 0, (size_t)(m->T * RC) * sizeof(float));
             }
-            float *o_base = use_acc ? s.acc : m->out + r0;
-            const int64_t o_ld = use_acc ? RC : H;
-            if (m->i8_dn) {
-                TR_START();
-                grouped_i8(m, &s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
-                           ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e), n, s.c0);
-                TR_ADD(tid, 4);
-            } else if (m->amx) {
-                int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
-                while (a1 < m->nact && !m->tile[m->act[a1]]) a1++;
-                const uint8_t *nx = a1 < m->nact ? d->down + m->act[a1] * d->down_es + r0 * d->down_rb : NULL;
-                grouped_amx(m, &s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s.c0,
-                            nx, RC * d->down_rb, tid, 3);
-            } else {
-                grouped(m, &s, d->down_type, rows, d->down_rb, I, m->hptr + base,
-                        m->hpf ? m->hpf + m->pk_off[e] * I : NULL, m->vnni_dn ? m->hq8 + m->pk_off[e] * I : NULL,
-                        m->vnni_dn ? m->hs8 + m->pk_off[e] / 16 * 2 * I : NULL, n, s.c0);
-            }
-            TR_START();
-            if (s.ct == 1) ktk_amx_c_to_rows(s.c0, s.cr, RC, n, o_base, m->tok + base, o_ld, m->wt + base);
-            else
-                for (int64_t j = 0; j < n; j++) {
-                    float *o = o_base + m->tok[base + j] * o_ld, wv = m->wt[base + j];
-                    const float *c = s.c0 + j * s.ct;
-                    for (int r = 0; r < RC; r++) o[r] += wv * c[r * s.cr];
-                }
-            TR_ADD(tid, 5);
+            down_grouped(m, &s, a, m->nact, r0, use_acc ? s.acc : m->out + r0, use_acc ? RC : H, tid);
             continue;
         }
         if (d->down_r16) continue;   /* done above */
@@ -503,8 +554,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
         for (int64_t t = 0; t < m->T; t++) {
             float *o = m->out + t * H + r0;
             const float *a = s.acc + t * RC;
-            if (only_acc) memcpy(o, a, RC * sizeof(float));
-            else for (int r = 0; r < RC; r++) o[r] += a[r];
+            for (int r = 0; r < RC; r++) o[r] += a[r];
         }
         TR_ADD(tid, 5);
     }
@@ -643,7 +693,29 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->rcd = (m->maxcnt > 0 || H % 64) ? RC : RC / 2;   /* decode: finer down items balance better */
     m->nci = I / RC; m->nch = H / m->rcd;
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
-    int64_t items[4] = {m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile, m->nch};
+    /* all experts grouped: the down phase sums two halves of them (phase_down_halves), split by token tiles (and one
+     * per expert for its rows' conversion); two items a chunk where that shortens the phase's last round */
+    m->halves = m->down_acc && m->ntile > 0 && m->nplain == 0 && m->rcd == RC;
+    m->dsplit = 1;
+    if (m->halves) {
+        int64_t tot = 0, cum = 0;
+        for (int64_t a = 0; a < m->nact; a++) tot += (m->cnt[m->act[a]] + 15) / 16 + 1;
+        m->amid = m->nact;
+        for (int64_t a = 0; a < m->nact; a++) {
+            const int64_t c2 = cum + (m->cnt[m->act[a]] + 15) / 16 + 1;
+            if (2 * c2 > tot) { m->amid = tot - 2 * cum <= 2 * c2 - tot ? a : a + 1; break; }
+            cum = c2;
+        }
+        const int64_t nt = ktk_pool_threads(p), rounds1 = (m->nch + nt - 1) / nt, rounds2 = (2 * m->nch + nt - 1) / nt;
+        if (m->down_split == 2 || (m->down_split == 0 && rounds2 < 2 * rounds1)) {
+            m->dslot = grow(m->dslot, NULL, (size_t)(m->nch * 2 * T * RC), sizeof *m->dslot, &fail);
+            m->dcnt = grow(m->dcnt, NULL, (size_t)m->nch, sizeof *m->dcnt, &fail);
+            if (fail) return KTK_ENOMEM;
+            memset(m->dcnt, 0, (size_t)m->nch * sizeof *m->dcnt);
+            m->dsplit = 2;
+        }
+    }
+    int64_t items[4] = {m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile, m->nch * m->dsplit};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);

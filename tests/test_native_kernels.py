@@ -197,6 +197,34 @@ def test_moe_grouped_and_row_dot_experts_in_one_layer(isa, acc, monkeypatch):
     assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, QT.Q4_K, True), (isa, counts.tolist())
 
 
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "scalar"])   # (scalar: every expert takes row dots)
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.BF16], ids=lambda q: q.name)
+def test_moe_down_halves_split_or_not_agree(isa, qt, monkeypatch):
+    """A layer whose experts are all grouped sums the down phase as two halves of its experts: in one item
+    per 32 output rows ($KTINJECT_DOWN_SPLIT=1), or in two items whose second finisher adds them (2; and by
+    default where the thread count does not divide the chunks: 6 threads over H / 32 = 8 here). Bit for
+    bit the same result either way, oversubscribed, job after job, and right against the reference; with
+    every token on one expert too (one half empty)."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
+    (gate, up, down), (G, U, D) = moe_case(qt, qt, seed=8)
+    kerns = {}
+    for split, threads in (("1", 2), ("2", 2), ("", 6), ("2", 5)):
+        monkeypatch.setenv("KTINJECT_DOWN_SPLIT", split)
+        kerns[split, threads] = native.MoEKernel(gate, up, down, isa=isa, pool=native.Pool(threads, pin=False))
+    for T, k in ((64, 2), (96, 3), (24, 1)):
+        x = torch.randn(T, 256)
+        ids, w = _routing(T, 8, k, seed=T)
+        if k == 1:
+            ids = torch.zeros_like(ids)                 # one expert: half 1 (or half 0) has none
+        counts = torch.bincount(ids.flatten(), minlength=8)
+        assert (counts[counts > 0] >= 4).all(), counts    # no row-dot expert: the halves path
+        want = kerns["1", 2](x, ids, w)
+        for key, kern in kerns.items():
+            for _ in range(2):
+                assert torch.equal(kern(x, ids, w), want), (isa, qt.name, T, key)
+        assert rel_err(want, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, T)
+
+
 @pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in ISAS])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.BF16], ids=lambda q: q.name)
 def test_moe_packed_f32_path_matches_unpacked(isa, qt, monkeypatch):

@@ -24,10 +24,11 @@ def test_asan_ubsan_clean(tmp_path: Path):
     if build.returncode != 0 and "asan" in build.stderr.lower():
         pytest.skip(f"sanitizer runtime unavailable: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr[-2000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
-                         env={"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1",
-                              "PATH": "/usr/bin:/bin"})
-    report = run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.returncode == 0, report
-    assert "runtime error" not in run.stderr and "AddressSanitizer" not in run.stderr, report
-    assert run.stdout.strip().endswith("OK (0 failures)"), report
+    for split in ("", "2"):   # the prefill down phase's halves of the experts in one item, or two (KTINJECT_DOWN_SPLIT)
+        run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                             env={"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1",
+                                  "PATH": "/usr/bin:/bin", "KTINJECT_DOWN_SPLIT": split})
+        report = f"KTINJECT_DOWN_SPLIT={split!r}\n" + run.stdout[-2000:] + run.stderr[-4000:]
+        assert run.returncode == 0, report
+        assert "runtime error" not in run.stderr and "AddressSanitizer" not in run.stderr, report
+        assert run.stdout.strip().endswith("OK (0 failures)"), report
