@@ -364,104 +364,123 @@ static inline void first_pass_step(const int four, const uint8_t *A, uint8_t *a8
     }
 }
 
+/* $KTINJECT_AMX_GROUP_MAJOR=1: the I8 / I4 tile GEMM takes each group's k-steps for every pass over the token tiles
+ * before the next group's (A/B; see gemm_ix) */
+static int group_major_flag = -1;
+static inline int group_major_on(void) { return env_flag(&group_major_flag, "KTINJECT_AMX_GROUP_MAJOR", 0); }
+
+/* What gemm_ix's passes share: the block, its tokens, C, and a pass's sums waiting in ci to be scaled into C */
+typedef struct {
+    const uint8_t *A, *At;
+    uint8_t *a8;
+    const float *ws, *wz, *ts, *tz;
+    const int8_t *pk;
+    float *C;
+    int32_t *ci;
+    int64_t KS, NG, SG, ldc, ahead;
+    int four, pf, l2, overlap;
+    int64_t p_tt, p_w, p_g;   /* the pass and group whose sums ci holds, unscaled (p_w 0: none) */
+} ix_job;
+
+/* the sums in ci of token tiles [tt, tt + w) over group g into C: C[r][t] (+)= sum * ws[r][g] * ts[t][g] (+ the zeros'
+ * term); ci as the passes store it: [token tile j][row tile][16 x 16] */
+KTK_AMX_TARGET static inline void ix_scale(const ix_job *j, int64_t tt, int64_t w, int64_t g) {
+    const int64_t NG = j->NG;
+    const float *t0 = j->ts + tt * NG * 16 + g * 16, *z0 = j->four ? j->tz + tt * NG * 16 + g * 16 : NULL;
+    i8_scale(j->ci, j->ws, j->four ? j->wz : NULL, NG, g, t0, w > 1 ? t0 + NG * 16 : NULL, z0,
+             z0 && w > 1 ? z0 + NG * 16 : NULL, j->C + tt * 16, j->ldc, g == 0);
+    if (w == 3)
+        i8_scale(j->ci + 1024, j->ws, j->four ? j->wz : NULL, NG, g, t0 + 2 * NG * 16, NULL, z0 ? z0 + 2 * NG * 16 : NULL,
+                 NULL, j->C + (tt + 2) * 16, j->ldc, g == 0);
+}
+
+/* One pass over token tiles [tt, tt + w) (w 2: 2 row tiles x 2 token tiles, four C tiles, two A and two B; w 1: the
+ * last odd tile alone; w 3: six C tiles, one A and one B tile reloaded, A0 against B0, B1, B2, then A1 against B2,
+ * B1, B0: seven tile loads for six products, as the pair and the lone tile take, but every A tile used in the k-step
+ * it is widened or fetched) for the k-steps of group g, its sums stored to ci. The pass with tt 0 widens the I4
+ * nibbles and prefetches the rows. The sums waiting in ci from the pass before are scaled into C after this pass's
+ * first products, while they run (overlap), else this pass's right after it. */
+KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int64_t g) {
+    const int four = j->four;
+    const int64_t KS = j->KS;
+    const uint8_t *At = j->At;
+    const int8_t *b0 = j->pk + tt * KS * 1024, *b1 = b0 + KS * 1024, *b2 = b1 + KS * 1024;
+    int32_t *ci = j->ci;
+#define DP(c, a, b) do { if (four) _tile_dpbusd(c, a, b); else _tile_dpbssd(c, a, b); } while (0)
+    AMX_MEMORY_BARRIER();
+    _tile_zero(0); _tile_zero(1);
+    if (w > 1) { _tile_zero(2); _tile_zero(3); }
+    if (w > 2) { _tile_zero(4); _tile_zero(5); }
+    for (int64_t ks = g * j->SG; ks < (g + 1) * j->SG; ks++) {
+        if (tt == 0) first_pass_step(four, j->A, j->a8, ks, KS, j->ahead, j->pf, j->l2);
+        if (w == 3) {
+            _tile_loadd(6, At + ks * 2048, 64);
+            _tile_loadd(7, b0 + ks * 1024, 64); DP(0, 6, 7);
+            _tile_loadd(7, b1 + ks * 1024, 64); DP(1, 6, 7);
+            _tile_loadd(7, b2 + ks * 1024, 64); DP(2, 6, 7);
+            _tile_loadd(6, At + ks * 2048 + 1024, 64); DP(5, 6, 7);
+            _tile_loadd(7, b1 + ks * 1024, 64); DP(4, 6, 7);
+            _tile_loadd(7, b0 + ks * 1024, 64); DP(3, 6, 7);
+        } else {
+            _tile_loadd(4, At + ks * 2048, 64);
+            _tile_loadd(5, At + ks * 2048 + 1024, 64);
+            _tile_loadd(6, b0 + ks * 1024, 64);
+            DP(0, 4, 6); DP(1, 5, 6);
+            if (w == 2) {
+                _tile_loadd(7, b1 + ks * 1024, 64);
+                DP(2, 4, 7); DP(3, 5, 7);
+            }
+        }
+        if (j->overlap && ks == g * j->SG && j->p_w) {   /* the sums waiting in ci into C while these products run */
+            AMX_MEMORY_BARRIER();
+            ix_scale(j, j->p_tt, j->p_w, j->p_g);
+            j->p_w = 0;
+            AMX_MEMORY_BARRIER();
+        }
+    }
+    AMX_MEMORY_BARRIER();
+    if (w == 3) {   /* tiles 0-2: row tile 0 of token tiles 0-2; 3-5: row tile 1 */
+        _tile_stored(0, ci, 64);        _tile_stored(3, ci + 256, 64);
+        _tile_stored(1, ci + 512, 64);  _tile_stored(4, ci + 768, 64);
+        _tile_stored(2, ci + 1024, 64); _tile_stored(5, ci + 1280, 64);
+    } else {        /* tiles 0, 1: token tile 0's row tiles; 2, 3: token tile 1's */
+        if (w == 2) { _tile_stored(2, ci + 512, 64); _tile_stored(3, ci + 768, 64); }
+        _tile_stored(0, ci, 64);
+        _tile_stored(1, ci + 256, 64);
+    }
+    AMX_MEMORY_BARRIER();
+    if (j->overlap) { j->p_tt = tt; j->p_w = w; j->p_g = g; }
+    else ix_scale(j, tt, w, g);
+#undef DP
+}
+
 /* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass, products
  * of unsigned weights and signed tokens, and the zeros' term in each group's scaling).
- * Token tiles go in pairs (2 row tiles x 2 token tiles: four C tiles, two A and two B), a last odd one alone.
- * With KTINJECT_AMX_TRIPLE=1 an odd count of 3 or more starts with three token tiles in one pass instead (a
- * V2-Lite expert's 48 tokens at batch 512): six C tiles, one A and one B tile reloaded, A0 against B0, B1, B2,
- * then A1 against B2, B1, B0: seven tile loads for six products, as the pair and the lone tile take, but every
- * A tile used in the k-step it is widened or fetched, and no second pass reading the block's rows again. */
+ * Token tiles go in pairs, a last odd one alone (ix_pass). With KTINJECT_AMX_TRIPLE=1 an odd count of 3 or more
+ * starts with three token tiles in one pass instead (a V2-Lite expert's 48 tokens at batch 512), with no second
+ * pass reading the block's rows again. Passes over all of K one after the other, each group's sums scaled into C
+ * as the next group's products run; with KTINJECT_AMX_GROUP_MAJOR=1 every pass's k-steps of one group before the
+ * next group's, so that the group's widened rows (and the tokens' bytes) are still in L1 for the later passes
+ * rather than read again from L2. The same sums in the same order either way: C alike bit for bit. */
 KTK_AMX_TARGET
 static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G,
                            const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc,
                            int32_t *ci, uint8_t *a8, int pf, int overlap, int64_t ahead) {
     if (!t_configured) amx_config();
-    const int l2 = pf_l2();
-    const int64_t KS = K / 64, NG = K / G, SG = G / 64, ntt = (nt + 15) / 16;
-    const uint8_t *At = four ? a8 : A;   /* the bytes the tiles load */
-#define DP(c, a, b) do { if (four) _tile_dpbusd(c, a, b); else _tile_dpbssd(c, a, b); } while (0)
-    int64_t tt = 0;
-    if (ntt >= 3 && ntt % 2 && triple_on()) {
-        const int8_t *b0 = pk, *b1 = b0 + KS * 1024, *b2 = b1 + KS * 1024;
-        const float *ts0 = ts, *ts1 = ts0 + NG * 16, *ts2 = ts1 + NG * 16;
-        const float *tz0 = four ? tz : NULL, *tz1 = four ? tz0 + NG * 16 : NULL, *tz2 = four ? tz1 + NG * 16 : NULL;
-#define SCALE3(gg, first)                                                                                             \
-        do {                                                                                                          \
-            i8_scale(ci, ws, four ? wz : NULL, NG, gg, ts0 + (gg) * 16, ts1 + (gg) * 16, four ? tz0 + (gg) * 16 : NULL, \
-                     four ? tz1 + (gg) * 16 : NULL, C, ldc, first);                                                   \
-            i8_scale(ci + 1024, ws, four ? wz : NULL, NG, gg, ts2 + (gg) * 16, NULL, four ? tz2 + (gg) * 16 : NULL,    \
-                     NULL, C + 32, ldc, first);                                                                       \
-        } while (0)
-        for (int64_t g = 0; g < NG; g++) {
-            AMX_MEMORY_BARRIER();
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-            for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                first_pass_step(four, A, a8, ks, KS, ahead, pf, l2);
-                _tile_loadd(6, At + ks * 2048, 64);
-                _tile_loadd(7, b0 + ks * 1024, 64); DP(0, 6, 7);
-                _tile_loadd(7, b1 + ks * 1024, 64); DP(1, 6, 7);
-                _tile_loadd(7, b2 + ks * 1024, 64); DP(2, 6, 7);
-                _tile_loadd(6, At + ks * 2048 + 1024, 64); DP(5, 6, 7);
-                _tile_loadd(7, b1 + ks * 1024, 64); DP(4, 6, 7);
-                _tile_loadd(7, b0 + ks * 1024, 64); DP(3, 6, 7);
-                if (overlap && ks == g * SG && g > 0) {
-                    AMX_MEMORY_BARRIER();
-                    SCALE3(g - 1, g == 1);
-                    AMX_MEMORY_BARRIER();
-                }
-            }
-            AMX_MEMORY_BARRIER();   /* ci as i8_scale reads it: [token tile j][row tile][16 x 16] */
-            _tile_stored(0, ci, 64);        _tile_stored(3, ci + 256, 64);
-            _tile_stored(1, ci + 512, 64);  _tile_stored(4, ci + 768, 64);
-            _tile_stored(2, ci + 1024, 64); _tile_stored(5, ci + 1280, 64);
-            AMX_MEMORY_BARRIER();
-            if (!overlap) SCALE3(g, g == 0);
-        }
-        if (overlap) SCALE3(NG - 1, NG == 1);
-#undef SCALE3
-        tt = 3;
+    const int64_t ntt = (nt + 15) / 16;
+    ix_job j = {A, four ? a8 : A, a8, ws, wz, ts, tz, pk, C, ci, K / 64, K / G, G / 64, ldc, ahead,
+                four, pf, pf_l2(), overlap, 0, 0, 0};
+    const int tri = ntt >= 3 && ntt % 2 && triple_on();
+#define PASS_W(tt) (tri && (tt) == 0 ? 3 : (tt) + 1 < ntt ? 2 : 1)
+    if (group_major_on()) {
+        for (int64_t g = 0; g < j.NG; g++)
+            for (int64_t tt = 0; tt < ntt; tt += PASS_W(tt)) ix_pass(&j, tt, PASS_W(tt), g);
+    } else {
+        for (int64_t tt = 0; tt < ntt; tt += PASS_W(tt))
+            for (int64_t g = 0; g < j.NG; g++) ix_pass(&j, tt, PASS_W(tt), g);
     }
-    for (; tt < ntt; tt += 2) {
-        const int two = tt + 1 < ntt;
-        const int8_t *b0 = pk + tt * KS * 1024, *b1 = b0 + KS * 1024;
-        const float *ts0 = ts + tt * NG * 16, *ts1 = two ? ts0 + NG * 16 : NULL;
-        const float *tz0 = four ? tz + tt * NG * 16 : NULL, *tz1 = four && two ? tz0 + NG * 16 : NULL;
-#define SCALE(gg, first) i8_scale(ci, ws, four ? wz : NULL, NG, gg, ts0 + (gg) * 16, two ? ts1 + (gg) * 16 : NULL, \
-                                  four ? tz0 + (gg) * 16 : NULL, tz1 ? tz1 + (gg) * 16 : NULL, C + tt * 16, ldc, first)
-        for (int64_t g = 0; g < NG; g++) {
-            AMX_MEMORY_BARRIER();
-            _tile_zero(0); _tile_zero(1);
-            if (two) { _tile_zero(2); _tile_zero(3); }
-            for (int64_t ks = g * SG; ks < (g + 1) * SG; ks++) {
-                if (tt == 0) first_pass_step(four, A, a8, ks, KS, ahead, pf, l2);
-                _tile_loadd(4, At + ks * 2048, 64);
-                _tile_loadd(5, At + ks * 2048 + 1024, 64);
-                _tile_loadd(6, b0 + ks * 1024, 64);
-                DP(0, 4, 6); DP(1, 5, 6);
-                if (two) {
-                    _tile_loadd(7, b1 + ks * 1024, 64);
-                    DP(2, 4, 7); DP(3, 5, 7);
-                }
-                if (overlap && ks == g * SG && g > 0) {   /* the previous group's sums into C while these products run */
-                    AMX_MEMORY_BARRIER();
-                    SCALE(g - 1, g == 1);
-                    AMX_MEMORY_BARRIER();
-                }
-            }
-            AMX_MEMORY_BARRIER();
-            if (two) {
-                _tile_stored(2, ci + 512, 64);
-                _tile_stored(3, ci + 768, 64);
-            }
-            _tile_stored(0, ci, 64);
-            _tile_stored(1, ci + 256, 64);
-            AMX_MEMORY_BARRIER();
-            if (!overlap) SCALE(g, g == 0);
-        }
-        if (overlap) SCALE(NG - 1, NG == 1);
-#undef SCALE
-    }
-#undef DP
+#undef PASS_W
+    if (j.p_w) ix_scale(&j, j.p_tt, j.p_w, j.p_g);
 }
 
 KTK_AMX_TARGET

@@ -4,8 +4,9 @@ checks ktk_amx_rows_bf16's tile-major rows value by value and ktk_amx_gemm (toke
 last single tile, token counts not a multiple of 16, two C strides) against a double-precision dot,
 BF16 rows read in place by the tiles bit for bit against the converted ones, then the SiLU epilogue against libm (huge, infinite and NaN inputs too) and the MoE layer's grouped
 path (packing, epilogue, down projection) against the scalar path; all of it twice, the INT8 tile GEMM
-taking its token tiles in pairs, then with an odd count starting with three (KTINJECT_AMX_TRIPLE=1) and the
-down phase's halves of the experts as two items (KTINJECT_DOWN_SPLIT=2). On a CPU with AVX-512
+taking its token tiles in pairs, then with an odd count starting with three (KTINJECT_AMX_TRIPLE=1), its passes
+group by group (KTINJECT_AMX_GROUP_MAJOR=1) and the down phase's halves of the experts as two items
+(KTINJECT_DOWN_SPLIT=2). On a CPU with AVX-512
 F/BW/VL/DQ a second build (-DKTK_AMX_EMULATE_WRITERS) runs the real AVX-512 row writers and exp,
 with the two AVX512-BF16 conversions emulated. The real tiles are checked on an AMX machine by
 tests/test_native_kernels.py."""
@@ -47,11 +48,12 @@ def test_amx_tile_loop_emulated(tmp_path: Path, writers: bool):
     build = subprocess.run(["gcc", "-O1", "-std=gnu11", "-pthread", *defs, f"-I{NATIVE}", *srcs, "-lm", "-o", str(exe)],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
-    # the INT8 tile GEMM's token tiles in pairs, or an odd count starting with three; the down phase's two halves
-    # of the experts in one item or two (KTINJECT_DOWN_SPLIT)
-    for triple, split in (("0", "1"), ("1", "2")):
-        env = {**os.environ, "KTINJECT_AMX_TRIPLE": triple, "KTINJECT_DOWN_SPLIT": split}
+    # the INT8 tile GEMM's token tiles in pairs, or an odd count starting with three, its passes over all of K one
+    # after the other or group by group (KTINJECT_AMX_GROUP_MAJOR); the down phase's two halves of the experts in
+    # one item or two (KTINJECT_DOWN_SPLIT)
+    for triple, major, split in (("0", "0", "1"), ("1", "1", "2"), ("0", "1", "")):
+        env = {**os.environ, "KTINJECT_AMX_TRIPLE": triple, "KTINJECT_AMX_GROUP_MAJOR": major, "KTINJECT_DOWN_SPLIT": split}
         run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
         lines = run.stdout.strip().splitlines()
         assert run.returncode == 0 and lines and lines[-1].startswith("OK"), \
-            f"KTINJECT_AMX_TRIPLE={triple} KTINJECT_DOWN_SPLIT={split}\n" + run.stdout[-3000:] + run.stderr[-1000:]
+            f"KTINJECT_AMX_TRIPLE={triple} KTINJECT_AMX_GROUP_MAJOR={major} KTINJECT_DOWN_SPLIT={split}\n" + run.stdout[-3000:] + run.stderr[-1000:]
