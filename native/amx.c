@@ -179,10 +179,12 @@ static inline void prefetch_line(const void *p, int l2) {
     else _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
 
-/* $KTINJECT_AMX_TRIPLE=1: an odd number (3 or more) of token tiles starts with one pass over three of them, six C
- * tiles (A/B; see gemm_ix and amx_gemm) */
+/* An odd number (3 or more) of token tiles starts with one pass over three of them, six C tiles (see gemm_ix and
+ * amx_gemm; $KTINJECT_AMX_TRIPLE=0: a pair and a lone tile, for A/B). On the lent Xeon, alternating, twenty-eighth
+ * session: the I4 layer 7.19-7.26 against 7.44-7.48 ms at 15 threads, 12.40-12.57 against 12.97-13.86 at 8; BF16
+ * alike (15.2-15.7 ms both); the hot 32 x 48 x 2048 bf16 tile GEMM 3.7 against 4.5 us. */
 static int triple_flag = -1;
-static inline int triple_on(void) { return env_flag(&triple_flag, "KTINJECT_AMX_TRIPLE", 0); }
+static inline int triple_on(void) { return env_flag(&triple_flag, "KTINJECT_AMX_TRIPLE", 1); }
 
 /* the 32 rows' 64 bytes of one k-step, its A tiles at A and A + a_rt, rows a_stride bytes apart */
 static inline void prefetch_a(const uint16_t *A, int64_t a_rt, int64_t a_stride, int l2) {
@@ -456,7 +458,7 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
 
 /* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass, products
  * of unsigned weights and signed tokens, and the zeros' term in each group's scaling).
- * Token tiles go in pairs, a last odd one alone (ix_pass). With KTINJECT_AMX_TRIPLE=1 an odd count of 3 or more
+ * Token tiles go in pairs, a last odd one alone (ix_pass); but (unless KTINJECT_AMX_TRIPLE=0) an odd count of 3 or more
  * starts with three token tiles in one pass instead (a V2-Lite expert's 48 tokens at batch 512), with no second
  * pass reading the block's rows again. Passes over all of K one after the other, each group's sums scaled into C
  * as the next group's products run; with KTINJECT_AMX_GROUP_MAJOR=1 every pass's k-steps of one group before the
