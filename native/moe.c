@@ -79,7 +79,7 @@ struct ktk_moe {
     int down_split;                                    /* $KTINJECT_DOWN_SPLIT: 0 by the thread count, 1 never, 2 always */
     int halves;                                        /* down: grouped experts only, summed as two halves (phase_down) */
     int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
-    float *dslot;                                      /* [nch][2][T][RC]: the halves' sums when split */
+    float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
     int *dcnt;                                         /* [nch] halves done, when split */
     int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
@@ -197,7 +197,7 @@ void ktk_moe_free(ktk_moe *m) {
     if (m->busy && m->pool) ktk_pool_wait(m->pool);
     free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->plain_list); free(m->pk_off); free(m->tile);
     free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
-    free(m->xpk_mem); free(m->hpk_mem); free(m->dslot); free(m->dcnt);
+    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt);
     free(m);
 }
 
@@ -708,7 +708,10 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         }
         const int64_t nt = ktk_pool_threads(p), rounds1 = (m->nch + nt - 1) / nt, rounds2 = (2 * m->nch + nt - 1) / nt;
         if (m->down_split == 2 || (m->down_split == 0 && rounds2 < 2 * rounds1)) {
-            m->dslot = grow(m->dslot, NULL, (size_t)(m->nch * 2 * T * RC), sizeof *m->dslot, &fail);
+            /* the halves' blocks, 2 H T floats: in h (P I floats), which no grouped expert reads after its packing in
+             * P2, where it is large enough (2 H <= k I: every model the rule packs name), else in a buffer of their own */
+            if (2 * H <= k * I) m->dslot = m->h;
+            else m->dslot = m->dmem = grow(m->dmem, NULL, (size_t)(m->nch * 2 * T * RC), sizeof *m->dmem, &fail);
             m->dcnt = grow(m->dcnt, NULL, (size_t)m->nch, sizeof *m->dcnt, &fail);
             if (fail) return KTK_ENOMEM;
             memset(m->dcnt, 0, (size_t)m->nch * sizeof *m->dcnt);

@@ -204,15 +204,21 @@ def test_moe_down_halves_split_or_not_agree(isa, qt, monkeypatch):
     per 32 output rows ($KTINJECT_DOWN_SPLIT=1), or in two items whose second finisher adds them (2; and by
     default where the thread count does not divide the chunks: 6 threads over H / 32 = 8 here). Bit for
     bit the same result either way, oversubscribed, job after job, and right against the reference; with
-    every token on one expert too (one half empty)."""
+    every token on one expert too (one half empty). The split halves' blocks live in h where it has room
+    (2 H <= k I), else in a buffer of their own: both shapes."""
     monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
-    (gate, up, down), (G, U, D) = moe_case(qt, qt, seed=8)
+    for H, I in ((256, 512), (512, 256)):
+        _down_halves_case(isa, qt, H, I, monkeypatch)
+
+
+def _down_halves_case(isa, qt, H, I, monkeypatch):
+    (gate, up, down), (G, U, D) = moe_case(qt, qt, H=H, I=I, seed=8)
     kerns = {}
-    for split, threads in (("1", 2), ("2", 2), ("", 6), ("2", 5)):
+    for split, threads in (("1", 2), ("2", 2), ("", 6 * H // 256), ("2", 5)):   # (6 threads over 8 chunks, 12 over 16)
         monkeypatch.setenv("KTINJECT_DOWN_SPLIT", split)
         kerns[split, threads] = native.MoEKernel(gate, up, down, isa=isa, pool=native.Pool(threads, pin=False))
     for T, k in ((64, 2), (96, 3), (24, 1)):
-        x = torch.randn(T, 256)
+        x = torch.randn(T, H)
         ids, w = _routing(T, 8, k, seed=T)
         if k == 1:
             ids = torch.zeros_like(ids)                 # one expert: half 1 (or half 0) has none
@@ -221,8 +227,8 @@ def test_moe_down_halves_split_or_not_agree(isa, qt, monkeypatch):
         want = kerns["1", 2](x, ids, w)
         for key, kern in kerns.items():
             for _ in range(2):
-                assert torch.equal(kern(x, ids, w), want), (isa, qt.name, T, key)
-        assert rel_err(want, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, T)
+                assert torch.equal(kern(x, ids, w), want), (isa, qt.name, H, I, T, key)
+        assert rel_err(want, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, H, I, T)
 
 
 @pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in ISAS])
