@@ -377,8 +377,9 @@ def _merge_traces(traces: list[dict]) -> dict:
 
 def _tile_probe(before: list[float], after: list[float]) -> dict:
     """The workers' tile GEMM times before and after a measurement: medians, and the extremes.
-    Hot, this GEMM runs 4.2-4.6 us on the lent Xeon's tile unit at full speed and 11-15 us when the
-    host slows it (docs/benchmarks.md, fourteenth session)."""
+    Hot, this GEMM runs 3.4-3.7 us on the lent Xeon's tile unit at full speed (4.2-4.6 us before its three
+    token tiles took one pass, twenty-eighth session) and 11-15 us when the host slows it
+    (docs/benchmarks.md, fourteenth session)."""
     med = lambda v: sorted(v)[len(v) // 2]   # noqa: E731
     return {"before": round(med(before), 2), "after": round(med(after), 2),
             "min": round(min(before + after), 2), "max": round(max(before + after), 2)}
