@@ -4,6 +4,11 @@ option's refusals elsewhere. The tile loop itself also runs on emulated tiles in
 tests/test_amx_emulated.py (native/amx_emulate_check.c), on any x86 CPU."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -272,3 +277,44 @@ def test_nan_token_gives_nan_rows_on_amx(monkeypatch):
     ids, w = torch.tensor([[0, 1]] * 20), torch.full((20, 2), 0.5)
     out = kern(x, ids, w)
     assert out[3].isnan().all() and not out[torch.arange(20) != 3].isnan().any()
+
+
+def _tile_order_outputs(isa: str = "amx") -> list:
+    """Layers on the tile path (I8 copies, I4 copies, bf16 tiles) over 6 experts, top-2, on 100, 150 and 230
+    tokens: experts of about 3, 4 and 5 token tiles, so that every pass order of the tile GEMMs runs."""
+    outs = []
+    for bits in (8, 4, 0):
+        (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=6, H=256, I=512)
+        kw = {"int8_prefill": True, "int8_bits": bits} if bits else {}
+        kern = native.MoEKernel(gate, up, down, threads=3, isa=isa, **kw)
+        for T in (100, 150, 230):
+            gen = torch.Generator().manual_seed(T)
+            x = torch.randn(T, 256, generator=gen)
+            ids = torch.rand(T, 6, generator=gen).topk(2, dim=1).indices.contiguous()
+            outs.append(kern(x, ids, torch.rand(T, 2, generator=gen)))
+    return outs
+
+
+def _tile_orders_agree(env: str, tmp_path: Path, isa: str) -> None:
+    want = _tile_order_outputs(isa)
+    out = tmp_path / "orders.pt"
+    code = (f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_i8; "
+            f"torch.save(test_i8._tile_order_outputs({isa!r}), {str(out)!r})")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "KTINJECT_TILE_MIN": "4", **dict(kv.split("=") for kv in env.split(","))})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(out)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), (env, i)
+
+
+@pytest.mark.skipif(not AMX_INT8, reason="needs AMX-INT8 (Sapphire Rapids or later) with tile permission")
+@pytest.mark.parametrize("env", ["KTINJECT_AMX_TRIPLE=0", "KTINJECT_AMX_GROUP_MAJOR=1",
+                                 "KTINJECT_AMX_TRIPLE=0,KTINJECT_AMX_GROUP_MAJOR=1"])
+def test_tile_pass_orders_agree_on_amx(env, tmp_path, monkeypatch):
+    """The tile GEMMs' pass orders (three token tiles in one pass or a pair and a lone one; passes over all of K
+    or group by group) sum the same products in the same order: the same bits as the defaults', on real tiles.
+    Those settings are read once per process, so each runs in a subprocess."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
+    _tile_orders_agree(env, tmp_path, "amx")
