@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of environment settings on the AMX prefill layer (one V2-Lite layer, batch 512) on the lent host,
-# alternating settings inside each round: Q4_K from I4 copies (--int8 --int8-bits 4) and BF16 on bf16 tiles.
+# alternating settings inside each round (in reverse order every other round): Q4_K from I4 copies (--int8 --int8-bits 4) and BF16 on bf16 tiles.
 # Usage (device): AB_ENV="KTINJECT_DOWN_ACC=0 KTINJECT_DOWN_ACC=1" bash scripts/device_prefill_ab.sh
 #   (ISA=avx512 GIB=0.3 for a dry run off the device; several variables in one setting joined by commas: "A=1,B=2"; "-" for no change; AB_THREADS="8 15",
 #    AB_ROUNDS="1 2", AB_LINES="i4 bf16", SECONDS_PER=1.0, TRACE=--trace)
@@ -22,9 +22,14 @@ for l in sys.stdin:
     print('$label', '$e', 't$th', r['quant'], r['ms_per_layer'], 'ms', r.get('tflops'), 'TFLOPS', 'probe', r.get('amx_probe_us'),
           {k: tr[k] for k in ('quantize_x', 'gate_up', 'quantize_h', 'down') if k in tr})"
 }
+envs=(${AB_ENV:--}); n=0
 for round in ${AB_ROUNDS:-1 2}; do
+  # every other round takes the settings in reverse order: the host's tile unit changes speed over tens of
+  # seconds (docs/benchmarks.md, fourteenth session), and in a fixed order it can follow one setting (twenty-eighth)
+  order=("${envs[@]}")
+  if [ $((n++ % 2)) = 1 ]; then order=(); for ((i = ${#envs[@]} - 1; i >= 0; i--)); do order+=("${envs[i]}"); done; fi
   for th in ${AB_THREADS:-8 15}; do
-    for e in ${AB_ENV:--}; do
+    for e in "${order[@]}"; do
       for l in ${AB_LINES:-i4 bf16}; do
         case $l in
           i4) line "$e" $th "i4 r$round" --quant q4_k --int8 --int8-bits 4 ;;
