@@ -210,6 +210,30 @@ static int check_ix(int bits) {
         if (bad) { printf("FAIL i%d: a NaN token or weight does not give NaN outputs (only)\n", bits); fails++; }
         free(rows); free(cp); free(x); free(C); free(ts); free(tz); free(pk); free(ci); free(a8);
     }
+    if (ktk_amx_pack_once_usable()) {   /* the tokens quantized once, then packed per expert: pack_x_i8's bytes and scales */
+        static const int64_t kg[][2] = {{2048, 256}, {1408, 704}, {192, 64}};
+        static const int64_t cnts[] = {1, 17, 48};
+        const int64_t T = 40;
+        for (size_t ki = 0; ki < sizeof kg / sizeof *kg; ki++)
+            for (size_t ci2 = 0; ci2 < sizeof cnts / sizeof *cnts; ci2++) {
+                const int64_t n = kg[ki][0], G = kg[ki][1], nt = cnts[ci2], NG = n / G, sz = (nt + 15) / 16 * 16;
+                float *x = malloc((size_t)(T * n) * 4), *qs = malloc((size_t)(2 * T * NG) * 4);
+                int8_t *q = malloc((size_t)(T * n)), *p0 = aligned_alloc(64, (size_t)(sz * n)), *p1 = aligned_alloc(64, (size_t)(sz * n));
+                float *s0 = malloc((size_t)(sz * NG * 2) * 4), *s1 = malloc((size_t)(sz * NG * 2) * 4);
+                const float *xp[48];
+                int64_t idx[48];
+                for (int64_t i = 0; i < T * n; i++) x[i] = frand() * (i % 97 == 0 ? 30.f : 1.f);
+                for (int64_t j = 0; j < nt; j++) { idx[j] = (j * 7 + 3) % T; xp[j] = x + idx[j] * n; }   /* a gather, a token twice */
+                ktk_amx_pack_x_i8(xp, nt, n, G, p0, s0, bits == 4 ? s0 + sz * NG : NULL);
+                ktk_amx_quant_rows_i8(x, n, T, n, G, q, qs, qs + T * NG);
+                ktk_amx_pack_q_i8(q, qs, qs + T * NG, idx, nt, n, G, p1, s1, bits == 4 ? s1 + sz * NG : NULL);
+                if (memcmp(p0, p1, (size_t)(sz * n)) || memcmp(s0, s1, (size_t)(sz * NG * (bits == 4 ? 2 : 1)) * 4)) {
+                    printf("FAIL i%d: packing from tokens quantized once differs, n %lld, %lld tokens\n", bits, (long long)n, (long long)nt);
+                    fails++;
+                }
+                free(x); free(qs); free(q); free(p0); free(p1); free(s0); free(s1);
+            }
+    }
     /* bad input: shapes the layout does not take */
     if (XB(48, 256, 0) != -1 || XB(64, 96, 0) != -1 || ktk_i8_group(1408) != 704 ||
         XB(64, 1408, 256) != -1 || XB(64, 2048, 2048) != -1 ||   /* G must divide n, <= 1024 */

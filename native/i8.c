@@ -309,6 +309,62 @@ static void pack_tile_512(const float *const *X, int64_t nt, int64_t tt, int64_t
     }
 }
 #define HAVE_TILES_512 1
+
+/* The tokens quantized once (ktk_amx_quant_rows_i8), then each expert's tile packing from those bytes
+ * (ktk_amx_pack_q_i8): a token's groups are quantized once, not once for each of its k experts, and the packing
+ * gathers 1 byte a value instead of 4. The same values, scales and zero terms as ktk_amx_pack_x_i8's. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, int64_t G, int8_t *q, float *qs, float *qz) {
+    const int64_t NG = K / G;
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t g = 0; g < NG; g++) {
+            int32_t sum = 0;
+            const float s = quant_group_512(X + t * ldx + g * G, G, q + t * K + g * G, &sum);
+            qs[t * NG + g] = s;
+            qz[t * NG + g] = s * (float)sum;
+        }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
+                       int64_t G, int8_t *pk, float *ts, float *tz) {
+    static const int8_t zeros[64] __attribute__((aligned(64)));
+    const int64_t KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
+    for (int64_t tt = 0; tt < ntt; tt++) {
+        const int8_t *row[16];
+        for (int t = 0; t < 16; t++) {
+            const int64_t j = tt * 16 + t;
+            row[t] = j < nt ? q + idx[j] * K : NULL;
+            for (int64_t g = 0; g < NG; g++) {
+                const int64_t at = (tt * NG + g) * 16 + t;
+                ts[at] = j < nt ? qs[idx[j] * NG + g] : 0.f;
+                if (tz) tz[at] = j < nt ? qz[idx[j] * NG + g] : 0.f;
+            }
+        }
+        for (int64_t ks = 0; ks < KS; ks++) {
+            uint32_t *blk = (uint32_t *)(pk + (tt * KS + ks) * 1024);   /* [quad p][token t], as pack_tile_512 */
+            for (int pb = 0; pb < 16; pb += 8)
+                for (int tb = 0; tb < 16; tb += 8) {
+                    __m256i r[8];
+                    for (int i = 0; i < 8; i++)
+                        r[i] = _mm256_loadu_si256((const __m256i *)(row[tb + i] ? row[tb + i] + ks * 64 + pb * 4 : zeros + pb * 4));
+                    ktk_transpose8x8(r);
+                    for (int jj = 0; jj < 8; jj++) _mm256_storeu_si256((__m256i *)(blk + (pb + jj) * 16 + tb), r[jj]);
+                }
+        }
+    }
+}
+
+int ktk_amx_pack_once_usable(void) { return (int)(ktk_cpu_features() >> KTK_ISA_AVX512 & 1); }
+#else
+void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, int64_t G, int8_t *q, float *qs, float *qz) {
+    (void)X; (void)ldx; (void)nt; (void)K; (void)G; (void)q; (void)qs; (void)qz;
+}
+void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
+                       int64_t G, int8_t *pk, float *ts, float *tz) {
+    (void)q; (void)qs; (void)qz; (void)idx; (void)nt; (void)K; (void)G; (void)pk; (void)ts; (void)tz;
+}
+int ktk_amx_pack_once_usable(void) { return 0; }
 #endif
 
 void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts, float *tz) {

@@ -232,6 +232,14 @@ void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t
                      int pf, int overlap, int ahead);
 /* tz: NULL, or the zero-point terms for ktk_amx_gemm_i4 (layout in i8.c) */
 void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts, float *tz);
+/* the same packing in two steps (AVX-512 only: ktk_amx_pack_once_usable): every token quantized once, row t of X
+ * (ldx floats apart) to q + t * K, its groups' scales to qs[t * K / G + g] and zero terms (scale times the sum of
+ * the group's int8 values) to qz; then each expert's tokens idx[0 .. nt) packed from those bytes, tz as in
+ * ktk_amx_pack_x_i8 (NULL: I8) */
+void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, int64_t G, int8_t *q, float *qs, float *qz);
+void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
+                       int64_t G, int8_t *pk, float *ts, float *tz);
+int ktk_amx_pack_once_usable(void);
 /* C [rows][ldc] (rows % 8 == 0, ldc >= n rounded up to 8) to token rows: for j < n, row
  * out + (idx ? idx[j] : j) * stride gets C[0 .. rows)[j], stored (wv NULL) or added times wv[j] */
 void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *out, const int64_t *idx,

@@ -16,6 +16,7 @@
  *   /tmp/amx_parts i8           (the AMX-INT8 GEMM of I8 copies by K, group size and tokens, hot and
  *                                cold, beside the bf16 GEMM of the same block)
  *   /tmp/amx_parts pack         (the INT8 token packing, tokens gathered from 64 MiB; no AMX needed)
+ *   /tmp/amx_parts pack1        (a layer's gate/up token packing, per expert or the tokens quantized once; no AMX)
  *   /tmp/amx_parts sums         (a down item's weighted sums into the output rows or a compact block; no AMX)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
@@ -530,6 +531,37 @@ static int pack(void) {
     return 0;
 }
 
+/* pack1: a batch-512 V2-Lite layer's token packing for its gate/up on one thread: 64 experts of 48 tokens (each
+ * token in 6), each expert's packing quantizing its tokens (ktk_amx_pack_x_i8, KTINJECT_PACK_ONCE=0), against the
+ * 512 tokens quantized once and each expert packed from their bytes (ktk_amx_quant_rows_i8 + ktk_amx_pack_q_i8) */
+static int pack1(void) {
+    const int64_t T = 512, K = 2048, G = 256, E = 64, nt = 48, NG = K / G;
+    float *x = aligned_alloc(64, (size_t)(T * K) * 4), *qs = malloc((size_t)(2 * T * NG) * 4);
+    for (int64_t i = 0; i < T * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    int8_t *q = aligned_alloc(64, (size_t)(T * K)), *pk = aligned_alloc(64, (size_t)(E * nt * K));
+    float *ts = malloc((size_t)(E * nt * NG) * 4), *tz = malloc((size_t)(E * nt * NG) * 4);
+    int64_t *idx = malloc((size_t)(E * nt) * 8);
+    const float **X = malloc((size_t)(E * nt) * sizeof *X);
+    uint64_t r = 88172645463325252ull;
+    for (int64_t j = 0; j < E * nt; j++) { r ^= r << 13; r ^= r >> 7; r ^= r << 17; idx[j] = (int64_t)(r % (uint64_t)T); X[j] = x + idx[j] * K; }
+    for (int rep = 0; rep < 6; rep++) {
+        double t0 = now();
+        for (int64_t e = 0; e < E; e++)
+            ktk_amx_pack_x_i8(X + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG, tz + e * nt * NG);
+        const double per = now() - t0;
+        t0 = now();
+        ktk_amx_quant_rows_i8(x, K, T, K, G, q, qs, qs + T * NG);
+        const double quant = now() - t0;
+        for (int64_t e = 0; e < E; e++)
+            ktk_amx_pack_q_i8(q, qs, qs + T * NG, idx + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG, tz + e * nt * NG);
+        const double once = now() - t0;
+        printf("pack1 (512 tokens, 64 experts x 48, K 2048, G 256): per expert %.0f us; once %.0f us (quantize %.0f)\n",
+               per * 1e6, once * 1e6, quant * 1e6);
+    }
+    free(x); free(qs); free(q); free(pk); free(ts); free(tz); free(idx); free(X);
+    return 0;
+}
+
 /* sums: a batch-512 V2-Lite down item's weighted sums (64 experts x 48 tokens, 32 rows each) added into the
  * output's rows H = 2048 floats apart, against a compact [512][32] block written out once (phase_down) */
 static int sums(void) {
@@ -566,6 +598,7 @@ static int sums(void) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
+    if (argc > 1 && !strcmp(argv[1], "pack1")) return pack1();
     if (argc > 1 && !strcmp(argv[1], "sums")) return sums();
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
 #if defined(KTK_LAYER_TRACE)
