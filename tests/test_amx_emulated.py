@@ -21,6 +21,8 @@ import pytest
 
 from ktinject.native.build import NATIVE, SOURCES
 
+from test_native_sanitize import sanitized_run
+
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
@@ -59,3 +61,11 @@ def test_amx_tile_loop_emulated(tmp_path: Path, writers: bool):
         assert run.returncode == 0 and lines and lines[-1].startswith("OK"), (
             f"KTINJECT_AMX_TRIPLE={triple} KTINJECT_AMX_GROUP_MAJOR={major} KTINJECT_DOWN_SPLIT={split} "
             f"KTINJECT_PACK_ONCE={once}\n" + run.stdout[-3000:] + run.stderr[-1000:])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx2" not in FLAGS, reason="the token packing needs AVX2")
+def test_amx_tile_loop_emulated_under_sanitizers(tmp_path: Path):
+    """The same check built with AddressSanitizer and UBSan (the real tiles' path otherwise runs under the
+    sanitizers only on an AMX machine, tests/test_native_sanitize.py), the down halves split in two items."""
+    sanitized_run(tmp_path, "amx_emulate_check.c", ("-DKTK_AMX_EMULATE",), {"KTINJECT_DOWN_SPLIT": "2"})
