@@ -51,6 +51,38 @@ void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *pk) 
         }
 }
 
+/* The same packing in two steps: every token converted once (ktk_amx_rows_to_bf16, with ktk_amx_pack_x's
+ * conversion), then each expert's tokens idx[0 .. nt) packed from those bf16 rows (ktk_amx_pack_b): a token is
+ * converted once, not once for each of its k experts. The same bits as ktk_amx_pack_x. */
+void ktk_amx_rows_to_bf16(const float *X, int64_t ldx, int64_t nt, int64_t K, uint16_t *y) {
+    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX2);
+    for (int64_t t = 0; t < nt; t++) {
+        if (kern) kern->to_bf16(X + t * ldx, y + t * K, K);
+        else for (int64_t i = 0; i < K; i++) y[t * K + i] = ktk_f32_to_bf16(X[t * ldx + i]);
+    }
+}
+
+__attribute__((target("avx2")))
+void ktk_amx_pack_b(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t K, uint16_t *pk) {
+    static const uint32_t zeros[16] __attribute__((aligned(32)));
+    const int64_t KS = K / 32, ntt = (nt + 15) / 16;
+    for (int64_t tt = 0; tt < ntt; tt++) {
+        const uint32_t *row[16];
+        for (int t = 0; t < 16; t++) row[t] = tt * 16 + t < nt ? (const uint32_t *)(xb + idx[tt * 16 + t] * K) : NULL;
+        for (int64_t ks = 0; ks < KS; ks++) {
+            uint32_t *blk = (uint32_t *)pk + (tt * KS + ks) * 256;   /* [pair p][token t], as ktk_amx_pack_x */
+            for (int pb = 0; pb < 16; pb += 8)
+                for (int tb = 0; tb < 16; tb += 8) {
+                    __m256i r[8];
+                    for (int i = 0; i < 8; i++)
+                        r[i] = _mm256_loadu_si256((const __m256i *)(row[tb + i] ? row[tb + i] + ks * 16 + pb : zeros + pb));
+                    ktk_transpose8x8(r);
+                    for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(blk + (pb + i) * 16 + tb), r[i]);
+                }
+        }
+    }
+}
+
 /* The row-major C blocks of the tile GEMM back to token rows, 8 x 8 blocks transposed in registers
  * (element by element, its column walk cost 1 ms a layer on 16 threads in the down projection) */
 __attribute__((target("avx2")))

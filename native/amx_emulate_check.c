@@ -326,6 +326,36 @@ static int check_moe(void) {
     return fails;
 }
 
+/* ktk_amx_pack_x against its two steps (ktk_amx_rows_to_bf16, ktk_amx_pack_b: the layer's tokens converted once),
+ * tokens gathered, one twice, a NaN and values that round: the same bits */
+static int check_pack_b(void) {
+    static const int64_t ks[] = {32, 1408, 2048};
+    static const int64_t cnts[] = {1, 17, 48};
+    const int64_t T = 40;
+    int fails = 0;
+    for (size_t ki = 0; ki < sizeof ks / sizeof *ks; ki++)
+        for (size_t ci = 0; ci < sizeof cnts / sizeof *cnts; ci++) {
+            const int64_t n = ks[ki], nt = cnts[ci], sz = ktk_amx_pack_x_elems(nt, n);
+            float *x = malloc((size_t)(T * n) * 4);
+            uint16_t *xb = malloc((size_t)(T * n) * 2), *p0 = aligned_alloc(64, (size_t)(sz * 2 + 63) / 64 * 64);
+            uint16_t *p1 = aligned_alloc(64, (size_t)(sz * 2 + 63) / 64 * 64);
+            const float *xp[48];
+            int64_t idx[48];
+            for (int64_t i = 0; i < T * n; i++) x[i] = frand() * 3.f;
+            x[5 * n + 3] = NAN;
+            for (int64_t j = 0; j < nt; j++) { idx[j] = (j * 7 + 5) % T; xp[j] = x + idx[j] * n; }
+            ktk_amx_pack_x(xp, nt, n, p0);
+            ktk_amx_rows_to_bf16(x, n, T, n, xb);
+            ktk_amx_pack_b(xb, idx, nt, n, p1);
+            if (memcmp(p0, p1, (size_t)sz * 2)) {
+                printf("FAIL pack_b n %lld, %lld tokens: not ktk_amx_pack_x's bits\n", (long long)n, (long long)nt);
+                fails++;
+            }
+            free(x); free(xb); free(p0); free(p1);
+        }
+    return fails;
+}
+
 int main(void) {
     static const int types[] = {KTK_F32, KTK_F16, KTK_BF16, KTK_Q8_0, KTK_Q4_0, KTK_Q5_0, KTK_Q4_K, KTK_Q5_K, KTK_Q6_K,
                                 KTK_IQ4_XS, KTK_Q2_K, KTK_Q3_K};
@@ -390,6 +420,8 @@ int main(void) {
     fails += check_moe();
     cases += 2;
     fails += check_ix(8) + check_ix(4);
+    cases += 9;
+    fails += check_pack_b();
     printf("%s (%d cases, %d failures)\n", fails ? "FAILED" : "OK", cases, fails);
     return fails != 0;
 }

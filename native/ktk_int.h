@@ -240,6 +240,10 @@ void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, i
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
                        int64_t G, int8_t *pk, float *ts, float *tz);
 int ktk_amx_pack_once_usable(void);
+/* ktk_amx_pack_x in two steps: rows of X (ldx floats apart) to bf16 once, y[t * K + k]; then the tokens idx[0 .. nt)
+ * of those rows packed as ktk_amx_pack_x packs them (the same bits) */
+void ktk_amx_rows_to_bf16(const float *X, int64_t ldx, int64_t nt, int64_t K, uint16_t *y);
+void ktk_amx_pack_b(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t K, uint16_t *pk);
 /* C [rows][ldc] (rows % 8 == 0, ldc >= n rounded up to 8) to token rows: for j < n, row
  * out + (idx ? idx[j] : j) * stride gets C[0 .. rows)[j], stored (wv NULL) or added times wv[j] */
 void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *out, const int64_t *idx,

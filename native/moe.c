@@ -2,8 +2,9 @@
  *
  * One call = one pool job of four phases (items claimed dynamically by the workers):
  *   P0  quantize each token's activations to Q8 blocks (when some expert takes the row-dot
- *       path); pack the tokens of every grouped expert (AMX tiles, or f32 panels); for AMX-INT8
- *       tiles the tokens are first quantized once, 16 a chunk, and the packs wait for all chunks
+ *       path); pack the tokens of every grouped expert (AMX tiles, or f32 panels); for AMX tiles
+ *       the tokens are first quantized (INT8) or converted (bf16) once, 16 a chunk, and the packs
+ *       wait for all chunks
  *                                                      items: T/16 or 0, + T or 0, + grouped experts
  *   P1  gate and up projections, h = SiLU(gate) * up, for (expert, 32 rows of I)
  *                                                                items: active experts * I/32
@@ -82,9 +83,9 @@ struct ktk_moe {
     int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
     int *dcnt;                                         /* [nch] halves done, when split */
-    int pack_once;                                     /* $KTINJECT_PACK_ONCE: the I8 gate/up tokens quantized once (P0) */
+    int pack_once;                                     /* $KTINJECT_PACK_ONCE: the AMX gate/up tokens quantized / converted once (P0) */
     int64_t nqt;                                       /* P0's token chunks to quantize first (16 tokens each; 0: none) */
-    int8_t *tq;                                        /* their bytes [T][H], then scales and zero terms [T][H / G] each */
+    int8_t *tq;                                        /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16 [T][H] */
     int tq_done;                                       /* chunks done (the packs wait for all of them) */
     int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
@@ -182,7 +183,7 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->down_acc = !(s && s[0] == '0');
         s = getenv("KTINJECT_DOWN_SPLIT");   /* 1: one down item per 32 output rows; 2: two (halves); else by the threads */
         m->down_split = s && (s[0] == '1' || s[0] == '2') && s[1] == 0 ? s[0] - '0' : 0;
-        s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's I8 packing quantizes its tokens itself (A/B) */
+        s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
@@ -573,10 +574,15 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
     int64_t H = d->hidden, I = d->inter;
     switch (phase) {
     case 0:
-        if (item < m->nqt) {   /* 16 tokens quantized for the packs below, which wait for every such chunk */
-            const int64_t t0 = item * 16, n = m->T - t0 < 16 ? m->T - t0 : 16, NG = H / m->i8_g_gu;
-            float *qs = (float *)(m->tq + m->T * H);
-            ktk_amx_quant_rows_i8(m->x + t0 * H, H, n, H, m->i8_g_gu, m->tq + t0 * H, qs + t0 * NG, qs + m->T * NG + t0 * NG);
+        if (item < m->nqt) {   /* 16 tokens quantized (or converted) for the packs below, which wait for every such chunk */
+            const int64_t t0 = item * 16, n = m->T - t0 < 16 ? m->T - t0 : 16;
+            if (m->i8_gu) {
+                const int64_t NG = H / m->i8_g_gu;
+                float *qs = (float *)(m->tq + m->T * H);
+                ktk_amx_quant_rows_i8(m->x + t0 * H, H, n, H, m->i8_g_gu, m->tq + t0 * H, qs + t0 * NG, qs + m->T * NG + t0 * NG);
+            } else {
+                ktk_amx_rows_to_bf16(m->x + t0 * H, H, n, H, (uint16_t *)m->tq + t0 * H);
+            }
             __atomic_fetch_add(&m->tq_done, 1, __ATOMIC_RELEASE);
             break;
         }
@@ -584,16 +590,20 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
         { int64_t e = m->tile_list[item - m->nq0];
           TR_START();
-          if (m->i8_gu && m->nqt) {
+          if (m->nqt) {
               /* the chunks were claimed before any pack: wait for the last of them to finish (yielding now and then:
                * on an oversubscribed pool its worker may need this core) */
               for (long spin = 1; __atomic_load_n(&m->tq_done, __ATOMIC_ACQUIRE) < m->nqt; spin++)
                   if (spin & 0xff) ktk_relax(); else sched_yield();
+          }
+          if (m->i8_gu && m->nqt) {
               const int64_t NG = H / m->i8_g_gu;
               const float *qs = (const float *)(m->tq + m->T * H);
               ktk_amx_pack_q_i8(m->tq, qs, qs + m->T * NG, m->tok + m->off[e], m->cnt[e], H, m->i8_g_gu,
                                 pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
-          } else if (m->i8_gu)
+          } else if (m->amx && m->nqt)
+              ktk_amx_pack_b((const uint16_t *)m->tq, m->tok + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+          else if (m->i8_gu)
               ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
                                 ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
           else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
@@ -718,8 +728,9 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->nci = I / RC; m->nch = H / m->rcd;
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
     m->nqt = 0; m->tq_done = 0;
-    if (m->i8_gu && m->ntile && m->pack_once && ktk_amx_pack_once_usable()) {   /* bytes, then 2 floats a group */
-        m->tq = grow(m->tq, NULL, (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4), 1, &fail);
+    if (m->amx && m->ntile && m->pack_once && (!m->i8_gu || ktk_amx_pack_once_usable())) {
+        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value */
+        m->tq = grow(m->tq, NULL, m->i8_gu ? (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2), 1, &fail);
         if (fail) return KTK_ENOMEM;
         m->nqt = (T + 15) / 16;
     }

@@ -533,13 +533,15 @@ static int pack(void) {
 
 /* pack1: a batch-512 V2-Lite layer's token packing for its gate/up on one thread: 64 experts of 48 tokens (each
  * token in 6), each expert's packing quantizing its tokens (ktk_amx_pack_x_i8, KTINJECT_PACK_ONCE=0), against the
- * 512 tokens quantized once and each expert packed from their bytes (ktk_amx_quant_rows_i8 + ktk_amx_pack_q_i8) */
+ * 512 tokens quantized once and each expert packed from their bytes (ktk_amx_quant_rows_i8 + ktk_amx_pack_q_i8);
+ * the same for bf16 tiles (ktk_amx_pack_x against ktk_amx_rows_to_bf16 + ktk_amx_pack_b) */
 static int pack1(void) {
     const int64_t T = 512, K = 2048, G = 256, E = 64, nt = 48, NG = K / G;
     float *x = aligned_alloc(64, (size_t)(T * K) * 4), *qs = malloc((size_t)(2 * T * NG) * 4);
     for (int64_t i = 0; i < T * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
     int8_t *q = aligned_alloc(64, (size_t)(T * K)), *pk = aligned_alloc(64, (size_t)(E * nt * K));
     float *ts = malloc((size_t)(E * nt * NG) * 4), *tz = malloc((size_t)(E * nt * NG) * 4);
+    uint16_t *xb = aligned_alloc(64, (size_t)(T * K) * 2), *pb = aligned_alloc(64, (size_t)(E * nt * K) * 2);
     int64_t *idx = malloc((size_t)(E * nt) * 8);
     const float **X = malloc((size_t)(E * nt) * sizeof *X);
     uint64_t r = 88172645463325252ull;
@@ -555,10 +557,17 @@ static int pack1(void) {
         for (int64_t e = 0; e < E; e++)
             ktk_amx_pack_q_i8(q, qs, qs + T * NG, idx + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG, tz + e * nt * NG);
         const double once = now() - t0;
-        printf("pack1 (512 tokens, 64 experts x 48, K 2048, G 256): per expert %.0f us; once %.0f us (quantize %.0f)\n",
-               per * 1e6, once * 1e6, quant * 1e6);
+        t0 = now();
+        for (int64_t e = 0; e < E; e++) ktk_amx_pack_x(X + e * nt, nt, K, pb + e * nt * K);
+        const double perb = now() - t0;
+        t0 = now();
+        ktk_amx_rows_to_bf16(x, K, T, K, xb);
+        for (int64_t e = 0; e < E; e++) ktk_amx_pack_b(xb, idx + e * nt, nt, K, pb + e * nt * K);
+        const double onceb = now() - t0;
+        printf("pack1 (512 tokens, 64 experts x 48, K 2048): I8 (G 256) per expert %.0f us, once %.0f us (quantize %.0f); "
+               "bf16 per expert %.0f us, once %.0f us\n", per * 1e6, once * 1e6, quant * 1e6, perb * 1e6, onceb * 1e6);
     }
-    free(x); free(qs); free(q); free(pk); free(ts); free(tz); free(idx); free(X);
+    free(x); free(qs); free(q); free(pk); free(ts); free(tz); free(idx); free(X); free(xb); free(pb);
     return 0;
 }
 
