@@ -85,7 +85,8 @@ struct ktk_moe {
     int *dcnt;                                         /* [nch] halves done, when split */
     int pack_once;                                     /* $KTINJECT_PACK_ONCE: the AMX gate/up tokens quantized / converted once (P0) */
     int64_t nqt;                                       /* P0's token chunks to quantize first (16 tokens each; 0: none) */
-    int8_t *tq;                                        /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16 [T][H] */
+    int8_t *tq, *tqmem;                                /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16
+                                                          [T][H] (in h, which P1 writes only later, or in tqmem) */
     int tq_done;                                       /* chunks done (the packs wait for all of them) */
     int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
@@ -205,7 +206,7 @@ void ktk_moe_free(ktk_moe *m) {
     if (m->busy && m->pool) ktk_pool_wait(m->pool);
     free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->plain_list); free(m->pk_off); free(m->tile);
     free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
-    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt); free(m->tq);
+    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt); free(m->tqmem);
     free(m);
 }
 
@@ -729,8 +730,10 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
     m->nqt = 0; m->tq_done = 0;
     if (m->amx && m->ntile && m->pack_once && (!m->i8_gu || ktk_amx_pack_once_usable())) {
-        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value */
-        m->tq = grow(m->tq, NULL, m->i8_gu ? (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2), 1, &fail);
+        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes) */
+        const size_t need = m->i8_gu ? (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2);
+        if (need <= (size_t)(P * I) * sizeof *m->h) m->tq = (int8_t *)m->h;
+        else m->tq = m->tqmem = grow(m->tqmem, NULL, need, 1, &fail);
         if (fail) return KTK_ENOMEM;
         m->nqt = (T + 15) / 16;
     }
