@@ -281,17 +281,19 @@ def test_nan_token_gives_nan_rows_on_amx(monkeypatch):
 
 def _tile_order_outputs(isa: str = "amx") -> list:
     """Layers on the tile path (I8 copies, I4 copies, bf16 tiles) over 6 experts, top-2, on 100, 150 and 230
-    tokens: experts of about 3, 4 and 5 token tiles, so that every pass order of the tile GEMMs runs."""
+    tokens: experts of about 3, 4 and 5 token tiles, so that every pass order of the tile GEMMs runs; and top-1
+    with I = 64, where h is too small to hold the once-quantized tokens (their own buffer instead)."""
     outs = []
-    for bits in (8, 4, 0):
-        (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=6, H=256, I=512)
-        kw = {"int8_prefill": True, "int8_bits": bits} if bits else {}
-        kern = native.MoEKernel(gate, up, down, threads=3, isa=isa, **kw)
-        for T in (100, 150, 230):
-            gen = torch.Generator().manual_seed(T)
-            x = torch.randn(T, 256, generator=gen)
-            ids = torch.rand(T, 6, generator=gen).topk(2, dim=1).indices.contiguous()
-            outs.append(kern(x, ids, torch.rand(T, 2, generator=gen)))
+    for I, k in ((512, 2), (64, 1)):
+        for bits in (8, 4, 0):
+            (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q5_0, E=6, H=256, I=I)
+            kw = {"int8_prefill": True, "int8_bits": bits} if bits else {}
+            kern = native.MoEKernel(gate, up, down, threads=3, isa=isa, **kw)
+            for T in (100, 150, 230):
+                gen = torch.Generator().manual_seed(T)
+                x = torch.randn(T, 256, generator=gen)
+                ids = torch.rand(T, 6, generator=gen).topk(k, dim=1).indices.contiguous()
+                outs.append(kern(x, ids, torch.rand(T, k, generator=gen)))
     return outs
 
 
