@@ -20,40 +20,7 @@
 
 int64_t ktk_amx_pack_x_elems(int64_t nt, int64_t K) { return (nt + 15) / 16 * 16 * K; }
 
-/* Per token tile and chunk of up to 16 k-steps: the 16 tokens' values in bf16 (16 KiB), then
- * every 1 KiB B block built from four 8 x 8 transposes of bf16 pairs and written whole (writing
- * pair by pair touched a different cache line with every store). */
-__attribute__((target("avx2")))
-void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *pk) {
-    int64_t KS = K / 32, ntt = (nt + 15) / 16;
-    const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX2);
-    uint32_t buf[16][256] __attribute__((aligned(32)));   /* 16 tokens x 512 bf16 */
-    for (int64_t tt = 0; tt < ntt; tt++)
-        for (int64_t k0 = 0; k0 < K; k0 += 512) {
-            int64_t kn = K - k0 < 512 ? K - k0 : 512;
-            for (int t = 0; t < 16; t++) {
-                int64_t tok = tt * 16 + t;
-                uint16_t *b = (uint16_t *)buf[t];
-                if (tok >= nt) memset(b, 0, (size_t)kn * 2);
-                else if (kern) kern->to_bf16(X[tok] + k0, b, kn);
-                else for (int64_t i = 0; i < kn; i++) b[i] = ktk_f32_to_bf16(X[tok][k0 + i]);
-            }
-            for (int64_t ks = 0; ks < kn / 32; ks++) {
-                uint32_t *blk = (uint32_t *)pk + (tt * KS + k0 / 32 + ks) * 256;   /* [pair p][token t] */
-                for (int pb = 0; pb < 16; pb += 8)
-                    for (int tb = 0; tb < 16; tb += 8) {
-                        __m256i r[8];
-                        for (int i = 0; i < 8; i++) r[i] = _mm256_load_si256((const __m256i *)(buf[tb + i] + ks * 16 + pb));
-                        ktk_transpose8x8(r);
-                        for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(blk + (pb + i) * 16 + tb), r[i]);
-                    }
-            }
-        }
-}
-
-/* The same packing in two steps: every token converted once (ktk_amx_rows_to_bf16, with ktk_amx_pack_x's
- * conversion), then each expert's tokens idx[0 .. nt) packed from those bf16 rows (ktk_amx_pack_b): a token is
- * converted once, not once for each of its k experts. The same bits as ktk_amx_pack_x. */
+/* Tokens to bf16 (row t of X, ldx floats apart, to y + t * K), as the packings below convert them */
 void ktk_amx_rows_to_bf16(const float *X, int64_t ldx, int64_t nt, int64_t K, uint16_t *y) {
     const ktk_kernels *kern = ktk_kernels_for(KTK_ISA_AVX2);
     for (int64_t t = 0; t < nt; t++) {
@@ -62,23 +29,42 @@ void ktk_amx_rows_to_bf16(const float *X, int64_t ldx, int64_t nt, int64_t K, ui
     }
 }
 
+/* Per token tile and chunk of up to 16 k-steps: the 16 tokens' values in bf16 (16 KiB), then
+ * every 1 KiB B block built from four 8 x 8 transposes of bf16 pairs and written whole (writing
+ * pair by pair touched a different cache line with every store). */
+__attribute__((target("avx2")))
+void ktk_amx_pack_x(const float *const *X, int64_t nt, int64_t K, uint16_t *pk) {
+    int64_t KS = K / 32, ntt = (nt + 15) / 16;
+    uint32_t buf[16][256] __attribute__((aligned(32)));   /* 16 tokens x 512 bf16 */
+    for (int64_t tt = 0; tt < ntt; tt++)
+        for (int64_t k0 = 0; k0 < K; k0 += 512) {
+            int64_t kn = K - k0 < 512 ? K - k0 : 512;
+            for (int t = 0; t < 16; t++) {
+                int64_t tok = tt * 16 + t;
+                if (tok >= nt) memset(buf[t], 0, (size_t)kn * 2);
+                else ktk_amx_rows_to_bf16(X[tok] + k0, kn, 1, kn, (uint16_t *)buf[t]);
+            }
+            for (int64_t ks = 0; ks < kn / 32; ks++) {
+                const uint32_t *row[16];
+                for (int t = 0; t < 16; t++) row[t] = buf[t] + ks * 16;
+                ktk_tile_from_rows(row, (uint32_t *)pk + (tt * KS + k0 / 32 + ks) * 256);   /* [pair p][token t] */
+            }
+        }
+}
+
+/* The same packing in two steps: every token converted once (ktk_amx_rows_to_bf16, with ktk_amx_pack_x's
+ * conversion), then each expert's tokens idx[0 .. nt) packed from those bf16 rows (ktk_amx_pack_b): a token is
+ * converted once, not once for each of its k experts. The same bits as ktk_amx_pack_x. */
 __attribute__((target("avx2")))
 void ktk_amx_pack_b(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t K, uint16_t *pk) {
-    static const uint32_t zeros[16] __attribute__((aligned(32)));
+    static const uint32_t zeros[16];
     const int64_t KS = K / 32, ntt = (nt + 15) / 16;
     for (int64_t tt = 0; tt < ntt; tt++) {
-        const uint32_t *row[16];
-        for (int t = 0; t < 16; t++) row[t] = tt * 16 + t < nt ? (const uint32_t *)(xb + idx[tt * 16 + t] * K) : NULL;
+        const uint32_t *base[16], *row[16];   /* tokens past nt: a row of zeros */
+        for (int t = 0; t < 16; t++) base[t] = tt * 16 + t < nt ? (const uint32_t *)(xb + idx[tt * 16 + t] * K) : NULL;
         for (int64_t ks = 0; ks < KS; ks++) {
-            uint32_t *blk = (uint32_t *)pk + (tt * KS + ks) * 256;   /* [pair p][token t], as ktk_amx_pack_x */
-            for (int pb = 0; pb < 16; pb += 8)
-                for (int tb = 0; tb < 16; tb += 8) {
-                    __m256i r[8];
-                    for (int i = 0; i < 8; i++)
-                        r[i] = _mm256_loadu_si256((const __m256i *)(row[tb + i] ? row[tb + i] + ks * 16 + pb : zeros + pb));
-                    ktk_transpose8x8(r);
-                    for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(blk + (pb + i) * 16 + tb), r[i]);
-                }
+            for (int t = 0; t < 16; t++) row[t] = base[t] ? base[t] + ks * 16 : zeros;
+            ktk_tile_from_rows(row, (uint32_t *)pk + (tt * KS + ks) * 256);   /* [pair p][token t], as ktk_amx_pack_x */
         }
     }
 }

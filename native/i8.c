@@ -297,14 +297,9 @@ static void pack_tile_512(const float *const *X, int64_t nt, int64_t tt, int64_t
             if (tz) tz[at] = ts[at] * (float)qs;
         }
         for (int64_t ks = 0; ks < G / 64; ks++) {
-            uint32_t *blk = (uint32_t *)(pk + (tt * KS + g * G / 64 + ks) * 1024);   /* [quad p][token t] */
-            for (int pb = 0; pb < 16; pb += 8)
-                for (int tb = 0; tb < 16; tb += 8) {
-                    __m256i r[8];
-                    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(q + (tb + i) * G + ks * 64 + pb * 4));
-                    ktk_transpose8x8(r);   /* r[j]: quad pb + j of tokens tb .. tb + 7 */
-                    for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(blk + (pb + j) * 16 + tb), r[j]);
-                }
+            const uint32_t *row[16];
+            for (int t = 0; t < 16; t++) row[t] = (const uint32_t *)(q + t * G + ks * 64);
+            ktk_tile_from_rows(row, (uint32_t *)(pk + (tt * KS + g * G / 64 + ks) * 1024));   /* [quad p][token t] */
         }
     }
 }
@@ -328,13 +323,14 @@ void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, i
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
                        int64_t G, int8_t *pk, float *ts, float *tz) {
-    static const int8_t zeros[64] __attribute__((aligned(64)));
+    static const uint32_t zeros[16];
     const int64_t KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
     for (int64_t tt = 0; tt < ntt; tt++) {
-        const int8_t *row[16];
+        const int8_t *base[16];   /* tokens past nt: a row of zeros */
+        const uint32_t *row[16];
         for (int t = 0; t < 16; t++) {
             const int64_t j = tt * 16 + t;
-            row[t] = j < nt ? q + idx[j] * K : NULL;
+            base[t] = j < nt ? q + idx[j] * K : NULL;
             for (int64_t g = 0; g < NG; g++) {
                 const int64_t at = (tt * NG + g) * 16 + t;
                 ts[at] = j < nt ? qs[idx[j] * NG + g] : 0.f;
@@ -342,15 +338,8 @@ void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const 
             }
         }
         for (int64_t ks = 0; ks < KS; ks++) {
-            uint32_t *blk = (uint32_t *)(pk + (tt * KS + ks) * 1024);   /* [quad p][token t], as pack_tile_512 */
-            for (int pb = 0; pb < 16; pb += 8)
-                for (int tb = 0; tb < 16; tb += 8) {
-                    __m256i r[8];
-                    for (int i = 0; i < 8; i++)
-                        r[i] = _mm256_loadu_si256((const __m256i *)(row[tb + i] ? row[tb + i] + ks * 64 + pb * 4 : zeros + pb * 4));
-                    ktk_transpose8x8(r);
-                    for (int jj = 0; jj < 8; jj++) _mm256_storeu_si256((__m256i *)(blk + (pb + jj) * 16 + tb), r[jj]);
-                }
+            for (int t = 0; t < 16; t++) row[t] = base[t] ? (const uint32_t *)(base[t] + ks * 64) : zeros;
+            ktk_tile_from_rows(row, (uint32_t *)(pk + (tt * KS + ks) * 1024));   /* [quad p][token t], as pack_tile_512 */
         }
     }
 }

@@ -454,7 +454,6 @@ static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int
             for (int r = 0; r < RC; r++) o[r] += wv * c[r * s->cr];
         }
     TR_ADD(tid, 5);
-    (void)tid;
 }
 
 /* A layer whose active experts are all grouped (prefill) sums each chunk of 32 output rows as two halves of
@@ -487,7 +486,6 @@ static void phase_down_halves(ktk_moe *m, int64_t item, int tid) {
         for (int r = 0; r < RC; r++) o[r] = x0[r] + x1[r];
     }
     TR_ADD(tid, 5);
-    (void)tid;
 }
 
 static void phase_down(ktk_moe *m, int64_t c, int tid) {

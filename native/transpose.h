@@ -1,8 +1,9 @@
-/* 8 x 8 transpose of 32-bit lanes in AVX2 registers, shared by the AMX token packing (amx.c) and the
- * AVX2 packed f32 path (quant_avx2.c). */
+/* 8 x 8 transpose of 32-bit lanes in AVX2 registers, shared by the AMX token packing (amx.c, i8.c) and the
+ * AVX2 packed f32 path (quant_avx2.c); and the 16 x 16 one that builds a token tile's 1 KiB B block. */
 #ifndef KTK_TRANSPOSE_H
 #define KTK_TRANSPOSE_H
 #include <immintrin.h>
+#include <stdint.h>
 
 /* r[i][j] -> r[j][i] */
 __attribute__((target("avx2")))
@@ -22,5 +23,18 @@ static inline void ktk_transpose8x8(__m256i *r) {
         r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
         r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
     }
+}
+
+/* A B tile block from 16 tokens' 64 bytes of one k-step: blk[p * 16 + t] = row[t][p] (p < 16: a bf16 pair or an
+ * int8 quad), as four 8 x 8 transposes, each block row written whole */
+__attribute__((target("avx2")))
+static inline void ktk_tile_from_rows(const uint32_t *const row[16], uint32_t *blk) {
+    for (int pb = 0; pb < 16; pb += 8)
+        for (int tb = 0; tb < 16; tb += 8) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(row[tb + i] + pb));
+            ktk_transpose8x8(r);   /* r[j]: element pb + j of tokens tb .. tb + 7 */
+            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(blk + (pb + j) * 16 + tb), r[j]);
+        }
 }
 #endif
