@@ -84,10 +84,17 @@ struct ktk_moe {
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
     int *dcnt;                                         /* [nch] halves done, when split */
     int pack_once;                                     /* $KTINJECT_PACK_ONCE: the AMX gate/up tokens quantized / converted once (P0) */
-    int64_t nqt;                                       /* P0's token chunks to quantize first (16 tokens each; 0: none) */
+    int64_t nqt, qchunk;                               /* P0's token chunks to quantize first (0: none), tokens in each */
     int8_t *tq, *tqmem;                                /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16
                                                           [T][H] (in h, which P1 writes only later, or in tqmem) */
     int tq_done;                                       /* chunks done (the packs wait for all of them) */
+    int pack_ahead;                                    /* $KTINJECT_PACK_AHEAD: P1 takes the gate/up packs (0: P0 does) */
+    int pk_now;                                        /* this call does so: P1's items in seq, packs' flags in pdone */
+    int64_t *seq;                                      /* [nact nci + ntile] v >= 0: gate/up item v; v < 0: tile_list[~v]'s pack */
+    int *pdone;                                        /* [E] that expert's pack done */
+    int h_fold;                                        /* $KTINJECT_H_FOLD: a grouped expert's h packed in P1 (see pack_h) */
+    int h_now;                                         /* this call does so */
+    int *hcnt;                                         /* [nact] gate/up items done per active expert, when h_now */
     int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
@@ -186,6 +193,11 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->down_split = s && (s[0] == '1' || s[0] == '2') && s[1] == 0 ? s[0] - '0' : 0;
         s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
+        s = getenv("KTINJECT_PACK_AHEAD");   /* tile experts a gate/up pack runs ahead of its GEMMs in P1 (0: in P0) */
+        m->pack_ahead = s ? atoi(s) : 3;
+        if (m->pack_ahead < 0 || m->pack_ahead > 64) m->pack_ahead = 3;
+        s = getenv("KTINJECT_H_FOLD");   /* 0: the grouped experts' h packed in a phase of its own (A/B) */
+        m->h_fold = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
@@ -206,7 +218,7 @@ void ktk_moe_free(ktk_moe *m) {
     if (m->busy && m->pool) ktk_pool_wait(m->pool);
     free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->plain_list); free(m->pk_off); free(m->tile);
     free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
-    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt); free(m->tqmem);
+    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt); free(m->tqmem); free(m->hcnt); free(m->seq); free(m->pdone);
     free(m);
 }
 
@@ -303,6 +315,23 @@ static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t
     s->ct = 1; s->cr = ldc;
 }
 
+/* A grouped expert's h (its tokens' SiLU(gate) * up, written by P1) packed for the down GEMM as its gate/up packing
+ * was: in P2, or (h_now) by the worker that finishes the expert's last gate/up item, so that P2 has no grouped work
+ * and the packing runs while other workers' gate/up items do, not in a phase of its own with its own last round */
+static void pack_h(ktk_moe *m, int64_t e, int tid) {
+    const int64_t I = m->d.inter;
+    TR_START();
+    if (m->i8_dn)
+        ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, m->i8_g_dn, pk_i8(m, m->hpk, I, e),
+                          ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e));
+    else if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
+    else if (m->vnni_dn)
+        m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);
+    else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
+    TR_ADD(tid, 7);
+    (void)tid;
+}
+
 static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     const ktk_moe_desc *d = &m->d;
     int64_t a = item / m->nci, c = item % m->nci, e = m->act[a], n = m->cnt[e], base = m->off[e];
@@ -344,6 +373,8 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
                 for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
             }
         }
+        /* the expert's last item packs its h (the other items' h stores before their increments: acq_rel) */
+        if (m->h_now && __atomic_add_fetch(&m->hcnt[a], 1, __ATOMIC_ACQ_REL) == m->nci) pack_h(m, e, tid);
         return;
     }
     size_t ab = ktk_act_bytes(H);
@@ -567,14 +598,43 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     }
 }
 
+/* A grouped expert's tokens packed for its gate/up GEMMs: from the once-quantized (or converted) tokens, which P0's
+ * chunks write, else from their floats. In P0, or (pk_now) as an item of P1 ahead of the expert's gate/up items */
+static void pack_x(ktk_moe *m, int64_t e, int tid) {
+    const int64_t H = m->d.hidden;
+    TR_START();
+    if (m->nqt) {
+        /* in P0 the chunks were claimed before any pack: wait for the last of them to finish (yielding now and
+         * then: on an oversubscribed pool its worker may need this core); in P1 they are done */
+        for (long spin = 1; __atomic_load_n(&m->tq_done, __ATOMIC_ACQUIRE) < m->nqt; spin++)
+            if (spin & 0xff) ktk_relax(); else sched_yield();
+    }
+    if (m->i8_gu && m->nqt) {
+        const int64_t NG = H / m->i8_g_gu;
+        const float *qs = (const float *)(m->tq + m->T * H);
+        ktk_amx_pack_q_i8(m->tq, qs, qs + m->T * NG, m->tok + m->off[e], m->cnt[e], H, m->i8_g_gu,
+                          pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
+    } else if (m->amx && m->nqt)
+        ktk_amx_pack_b((const uint16_t *)m->tq, m->tok + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+    else if (m->i8_gu)
+        ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
+                          ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
+    else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
+    else if (m->vnni_gu)
+        m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
+    else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
+    TR_ADD(tid, 6);
+    (void)tid;
+}
+
 static void moe_item(void *ctx, int phase, int64_t item, int tid) {
     ktk_moe *m = ctx;
     const ktk_moe_desc *d = &m->d;
     int64_t H = d->hidden, I = d->inter;
     switch (phase) {
     case 0:
-        if (item < m->nqt) {   /* 16 tokens quantized (or converted) for the packs below, which wait for every such chunk */
-            const int64_t t0 = item * 16, n = m->T - t0 < 16 ? m->T - t0 : 16;
+        if (item < m->nqt) {   /* a chunk of tokens quantized (or converted) for the packs below, which wait for them all */
+            const int64_t t0 = item * m->qchunk, n = m->T - t0 < m->qchunk ? m->T - t0 : m->qchunk;
             if (m->i8_gu) {
                 const int64_t NG = H / m->i8_g_gu;
                 float *qs = (float *)(m->tq + m->T * H);
@@ -587,31 +647,29 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         }
         item -= m->nqt;
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
-        { int64_t e = m->tile_list[item - m->nq0];
-          TR_START();
-          if (m->nqt) {
-              /* the chunks were claimed before any pack: wait for the last of them to finish (yielding now and then:
-               * on an oversubscribed pool its worker may need this core) */
-              for (long spin = 1; __atomic_load_n(&m->tq_done, __ATOMIC_ACQUIRE) < m->nqt; spin++)
-                  if (spin & 0xff) ktk_relax(); else sched_yield();
-          }
-          if (m->i8_gu && m->nqt) {
-              const int64_t NG = H / m->i8_g_gu;
-              const float *qs = (const float *)(m->tq + m->T * H);
-              ktk_amx_pack_q_i8(m->tq, qs, qs + m->T * NG, m->tok + m->off[e], m->cnt[e], H, m->i8_g_gu,
-                                pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
-          } else if (m->amx && m->nqt)
-              ktk_amx_pack_b((const uint16_t *)m->tq, m->tok + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
-          else if (m->i8_gu)
-              ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
-                                ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
-          else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
-          else if (m->vnni_gu)
-              m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
-          else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
-          TR_ADD(tid, 6); }
+        pack_x(m, m->tile_list[item - m->nq0], tid);
         break;
-    case 1: phase_gate_up(m, item, tid); break;
+    case 1:
+        if (m->pk_now) {   /* P1's sequence: packs, each pack_ahead tile experts before its gate/up items */
+            const int64_t v = m->seq[item];
+            if (v < 0) {
+                const int64_t e = m->tile_list[~v];
+                pack_x(m, e, tid);
+                __atomic_store_n(&m->pdone[e], 1, __ATOMIC_RELEASE);
+                break;
+            }
+            const int64_t e = m->act[v / m->nci];
+            /* its pack comes earlier in the sequence, so its worker is on it or past it: wait (yielding now and
+             * then, as above) */
+            if (m->tile[e]) {
+                for (long spin = 1; !__atomic_load_n(&m->pdone[e], __ATOMIC_ACQUIRE); spin++) {
+                    if (spin & 0xff) ktk_relax(); else sched_yield();
+                }
+            }
+            item = v;
+        }
+        phase_gate_up(m, item, tid);
+        break;
     case 2:
         if (item < m->nplain) {   /* the row-dot experts' h, quantized (the grouped path reads floats) */
             int64_t e = m->plain_list[item];
@@ -619,16 +677,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
                 m->K->quant_act(m->h + pos * I, (ktk_q8 *)(m->hq + pos * ktk_act_bytes(I)), I);
             break;
         }
-        { int64_t e = m->tile_list[item - m->nplain];
-          TR_START();
-          if (m->i8_dn)
-              ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, m->i8_g_dn, pk_i8(m, m->hpk, I, e),
-                                ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e));
-          else if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
-          else if (m->vnni_dn)
-              m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);
-          else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
-          TR_ADD(tid, 7); }
+        pack_h(m, m->tile_list[item - m->nplain], tid);
         break;
     default: phase_down(m, item, tid); break;
     }
@@ -727,13 +776,19 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->nci = I / RC; m->nch = H / m->rcd;
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
     m->nqt = 0; m->tq_done = 0;
+    m->pk_now = m->pack_ahead > 0 && m->ntile > 0;   /* the gate/up packs in P1 (below) */
     if (m->amx && m->ntile && m->pack_once && (!m->i8_gu || ktk_amx_pack_once_usable())) {
-        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes) */
+        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes)
+         * and no pack reads it in P1, which writes h */
         const size_t need = m->i8_gu ? (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2);
-        if (need <= (size_t)(P * I) * sizeof *m->h) m->tq = (int8_t *)m->h;
+        if (need <= (size_t)(P * I) * sizeof *m->h && !m->pk_now) m->tq = (int8_t *)m->h;
         else m->tq = m->tqmem = grow(m->tqmem, NULL, need, 1, &fail);
         if (fail) return KTK_ENOMEM;
-        m->nqt = (T + 15) / 16;
+        /* a chunk a worker (at least 4 tokens), so that the packs, which wait for the last chunk, start together:
+         * 16-token chunks left 2 of 15 workers a third round at batch 512 while the rest waited */
+        const int64_t nt = ktk_pool_threads(p);
+        m->qchunk = (T + nt - 1) / nt < 4 ? 4 : (T + nt - 1) / nt;
+        m->nqt = (T + m->qchunk - 1) / m->qchunk;
     }
     /* all experts grouped: the down phase sums two halves of them (phase_down_halves), split by token tiles (and one
      * per expert for its rows' conversion); two items a chunk where that shortens the phase's last round */
@@ -760,7 +815,29 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             m->dsplit = 2;
         }
     }
-    int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile, m->nch * m->dsplit};
+    m->h_now = m->h_fold && m->ntile > 0;
+    if (m->h_now) {
+        m->hcnt = grow(m->hcnt, NULL, (size_t)m->nact, sizeof *m->hcnt, &fail);
+        if (fail) return KTK_ENOMEM;
+        memset(m->hcnt, 0, (size_t)m->nact * sizeof *m->hcnt);
+    }
+    /* the gate/up packs as P1 items, each pack_ahead tile experts before the first gate/up item that needs it: it
+     * runs while other workers' GEMMs do, not in P0 with its last round (P0 keeps the token chunks) */
+    if (m->pk_now) {
+        m->seq = grow(m->seq, NULL, (size_t)(m->nact * m->nci + m->ntile), sizeof *m->seq, &fail);
+        m->pdone = grow(m->pdone, NULL, (size_t)d->n_experts, sizeof *m->pdone, &fail);
+        if (fail) return KTK_ENOMEM;
+        memset(m->pdone, 0, (size_t)d->n_experts * sizeof *m->pdone);
+        int64_t n = 0, next = 0;
+        for (; next < m->pack_ahead && next < m->ntile; next++) m->seq[n++] = ~next;
+        for (int64_t a = 0; a < m->nact; a++) {
+            if (m->tile[m->act[a]] && next < m->ntile) { m->seq[n++] = ~next; next++; }
+            for (int64_t c = 0; c < m->nci; c++) m->seq[n++] = a * m->nci + c;
+        }
+    }
+    const int64_t npk = m->pk_now ? m->ntile : 0;
+    int64_t items[4] = {m->nqt + m->nq0 + m->ntile - npk, m->nact * m->nci + npk, m->nplain + (m->h_now ? 0 : m->ntile),
+                        m->nch * m->dsplit};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);
