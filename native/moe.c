@@ -88,13 +88,6 @@ struct ktk_moe {
     int8_t *tq, *tqmem;                                /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16
                                                           [T][H] (in h, which P1 writes only later, or in tqmem) */
     int tq_done;                                       /* chunks done (the packs wait for all of them) */
-    int pack_ahead;                                    /* $KTINJECT_PACK_AHEAD: P1 takes the gate/up packs (0: P0 does) */
-    int pk_now;                                        /* this call does so: P1's items in seq, packs' flags in pdone */
-    int64_t *seq;                                      /* [nact nci + ntile] v >= 0: gate/up item v; v < 0: tile_list[~v]'s pack */
-    int *pdone;                                        /* [E] that expert's pack done */
-    int h_fold;                                        /* $KTINJECT_H_FOLD: a grouped expert's h packed in P1 (see pack_h) */
-    int h_now;                                         /* this call does so */
-    int *hcnt;                                         /* [nact] gate/up items done per active expert, when h_now */
     int fail;                                          /* a worker found no scratch: set atomically, read by sync */
     size_t cap_T, cap_P, cap_xpk, cap_hpk;
 };
@@ -193,11 +186,6 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->down_split = s && (s[0] == '1' || s[0] == '2') && s[1] == 0 ? s[0] - '0' : 0;
         s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
-        s = getenv("KTINJECT_PACK_AHEAD");   /* tile experts a gate/up pack runs ahead of its GEMMs in P1 (0: in P0) */
-        m->pack_ahead = s ? atoi(s) : 3;
-        if (m->pack_ahead < 0 || m->pack_ahead > 64) m->pack_ahead = 3;
-        s = getenv("KTINJECT_H_FOLD");   /* 0: the grouped experts' h packed in a phase of its own (A/B) */
-        m->h_fold = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
@@ -218,7 +206,7 @@ void ktk_moe_free(ktk_moe *m) {
     if (m->busy && m->pool) ktk_pool_wait(m->pool);
     free(m->cnt); free(m->off); free(m->act); free(m->tile_list); free(m->plain_list); free(m->pk_off); free(m->tile);
     free(m->tok); free(m->wt); free(m->xptr); free(m->hptr); free(m->xq); free(m->hq); free(m->h);
-    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt); free(m->tqmem); free(m->hcnt); free(m->seq); free(m->pdone);
+    free(m->xpk_mem); free(m->hpk_mem); free(m->dmem); free(m->dcnt); free(m->tqmem);
     free(m);
 }
 
@@ -315,9 +303,8 @@ static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t
     s->ct = 1; s->cr = ldc;
 }
 
-/* A grouped expert's h (its tokens' SiLU(gate) * up, written by P1) packed for the down GEMM as its gate/up packing
- * was: in P2, or (h_now) by the worker that finishes the expert's last gate/up item, so that P2 has no grouped work
- * and the packing runs while other workers' gate/up items do, not in a phase of its own with its own last round */
+/* A grouped expert's h (its tokens' SiLU(gate) * up, written by P1) packed for the down GEMM (P2) as its tokens were
+ * for gate/up (pack_x) */
 static void pack_h(ktk_moe *m, int64_t e, int tid) {
     const int64_t I = m->d.inter;
     TR_START();
@@ -373,8 +360,6 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
                 for (int r = 0; r < RC; r++) hr[r] = silu(a[r * s.cr]) * b[r * s.cr];
             }
         }
-        /* the expert's last item packs its h (the other items' h stores before their increments: acq_rel) */
-        if (m->h_now && __atomic_add_fetch(&m->hcnt[a], 1, __ATOMIC_ACQ_REL) == m->nci) pack_h(m, e, tid);
         return;
     }
     size_t ab = ktk_act_bytes(H);
@@ -598,14 +583,14 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
     }
 }
 
-/* A grouped expert's tokens packed for its gate/up GEMMs: from the once-quantized (or converted) tokens, which P0's
- * chunks write, else from their floats. In P0, or (pk_now) as an item of P1 ahead of the expert's gate/up items */
+/* A grouped expert's tokens packed for its gate/up GEMMs (P0): from the once-quantized (or converted) tokens, which
+ * P0's chunks write, else from their floats */
 static void pack_x(ktk_moe *m, int64_t e, int tid) {
     const int64_t H = m->d.hidden;
     TR_START();
     if (m->nqt) {
-        /* in P0 the chunks were claimed before any pack: wait for the last of them to finish (yielding now and
-         * then: on an oversubscribed pool its worker may need this core); in P1 they are done */
+        /* the chunks were claimed before any pack: wait for the last of them to finish (yielding now and then:
+         * on an oversubscribed pool its worker may need this core) */
         for (long spin = 1; __atomic_load_n(&m->tq_done, __ATOMIC_ACQUIRE) < m->nqt; spin++)
             if (spin & 0xff) ktk_relax(); else sched_yield();
     }
@@ -649,27 +634,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
         if (item < m->nq0) { m->K->quant_act(m->x + item * H, (ktk_q8 *)(m->xq + item * ktk_act_bytes(H)), H); break; }
         pack_x(m, m->tile_list[item - m->nq0], tid);
         break;
-    case 1:
-        if (m->pk_now) {   /* P1's sequence: packs, each pack_ahead tile experts before its gate/up items */
-            const int64_t v = m->seq[item];
-            if (v < 0) {
-                const int64_t e = m->tile_list[~v];
-                pack_x(m, e, tid);
-                __atomic_store_n(&m->pdone[e], 1, __ATOMIC_RELEASE);
-                break;
-            }
-            const int64_t e = m->act[v / m->nci];
-            /* its pack comes earlier in the sequence, so its worker is on it or past it: wait (yielding now and
-             * then, as above) */
-            if (m->tile[e]) {
-                for (long spin = 1; !__atomic_load_n(&m->pdone[e], __ATOMIC_ACQUIRE); spin++) {
-                    if (spin & 0xff) ktk_relax(); else sched_yield();
-                }
-            }
-            item = v;
-        }
-        phase_gate_up(m, item, tid);
-        break;
+    case 1: phase_gate_up(m, item, tid); break;
     case 2:
         if (item < m->nplain) {   /* the row-dot experts' h, quantized (the grouped path reads floats) */
             int64_t e = m->plain_list[item];
@@ -776,12 +741,10 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->nci = I / RC; m->nch = H / m->rcd;
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
     m->nqt = 0; m->tq_done = 0;
-    m->pk_now = m->pack_ahead > 0 && m->ntile > 0;   /* the gate/up packs in P1 (below) */
     if (m->amx && m->ntile && m->pack_once && (!m->i8_gu || ktk_amx_pack_once_usable())) {
-        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes)
-         * and no pack reads it in P1, which writes h */
+        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes) */
         const size_t need = m->i8_gu ? (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2);
-        if (need <= (size_t)(P * I) * sizeof *m->h && !m->pk_now) m->tq = (int8_t *)m->h;
+        if (need <= (size_t)(P * I) * sizeof *m->h) m->tq = (int8_t *)m->h;
         else m->tq = m->tqmem = grow(m->tqmem, NULL, need, 1, &fail);
         if (fail) return KTK_ENOMEM;
         /* a chunk a worker (at least 4 tokens), so that the packs, which wait for the last chunk, start together:
@@ -815,29 +778,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             m->dsplit = 2;
         }
     }
-    m->h_now = m->h_fold && m->ntile > 0;
-    if (m->h_now) {
-        m->hcnt = grow(m->hcnt, NULL, (size_t)m->nact, sizeof *m->hcnt, &fail);
-        if (fail) return KTK_ENOMEM;
-        memset(m->hcnt, 0, (size_t)m->nact * sizeof *m->hcnt);
-    }
-    /* the gate/up packs as P1 items, each pack_ahead tile experts before the first gate/up item that needs it: it
-     * runs while other workers' GEMMs do, not in P0 with its last round (P0 keeps the token chunks) */
-    if (m->pk_now) {
-        m->seq = grow(m->seq, NULL, (size_t)(m->nact * m->nci + m->ntile), sizeof *m->seq, &fail);
-        m->pdone = grow(m->pdone, NULL, (size_t)d->n_experts, sizeof *m->pdone, &fail);
-        if (fail) return KTK_ENOMEM;
-        memset(m->pdone, 0, (size_t)d->n_experts * sizeof *m->pdone);
-        int64_t n = 0, next = 0;
-        for (; next < m->pack_ahead && next < m->ntile; next++) m->seq[n++] = ~next;
-        for (int64_t a = 0; a < m->nact; a++) {
-            if (m->tile[m->act[a]] && next < m->ntile) { m->seq[n++] = ~next; next++; }
-            for (int64_t c = 0; c < m->nci; c++) m->seq[n++] = a * m->nci + c;
-        }
-    }
-    const int64_t npk = m->pk_now ? m->ntile : 0;
-    int64_t items[4] = {m->nqt + m->nq0 + m->ntile - npk, m->nact * m->nci + npk, m->nplain + (m->h_now ? 0 : m->ntile),
-                        m->nch * m->dsplit};
+    int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile, m->nch * m->dsplit};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);

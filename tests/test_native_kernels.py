@@ -231,35 +231,6 @@ def _down_halves_case(isa, qt, H, I, monkeypatch):
         assert rel_err(want, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, H, I, T)
 
 
-@pytest.mark.parametrize("isa", [i for i in ISAS if i != "scalar"])
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.BF16], ids=lambda q: q.name)
-def test_moe_packs_in_gate_up_phase_or_apart_agree(isa, qt, monkeypatch):
-    """A grouped expert's tokens are packed for its gate/up GEMMs as an item of the gate/up phase, some experts
-    ahead of its GEMMs ($KTINJECT_PACK_AHEAD, 3 by default), or in the phase before (0); its h is packed for the
-    down GEMM by the worker that finishes its last gate/up item, or in a phase of its own ($KTINJECT_H_FOLD=0).
-    The same packings of the same values, so the same bits, on 1-5 workers, with row-dot experts beside the
-    grouped ones, and with every token on one expert."""
-    monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
-    (gate, up, down), (G, U, D) = moe_case(qt, qt, seed=9)
-    kerns = {}
-    for ahead, fold, threads in (("0", "0", 2), ("1", "1", 1), ("1", "0", 3), ("", "", 5), ("64", "1", 4)):
-        monkeypatch.setenv("KTINJECT_PACK_AHEAD", ahead)
-        monkeypatch.setenv("KTINJECT_H_FOLD", fold)
-        kerns[ahead, fold, threads] = native.MoEKernel(gate, up, down, isa=isa, pool=native.Pool(threads, pin=False))
-    for T, k, one in ((64, 2, False), (13, 2, False), (30, 1, True)):
-        x = torch.randn(T, 256)
-        ids, w = _routing(T, 8, k, seed=T)
-        if one:
-            ids = torch.zeros_like(ids)
-        counts = torch.bincount(ids.flatten(), minlength=8)
-        assert (counts >= 4).any(), counts
-        want = kerns["0", "0", 2](x, ids, w)
-        for key, kern in kerns.items():
-            for _ in range(2):
-                assert torch.equal(kern(x, ids, w), want), (isa, qt.name, T, key)
-        assert rel_err(want, ref_moe(x, ids, w, G, U, D)) < _moe_tol(isa, qt, True), (isa, qt.name, T)
-
-
 @pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in ISAS])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.BF16], ids=lambda q: q.name)
 def test_moe_packed_f32_path_matches_unpacked(isa, qt, monkeypatch):
