@@ -18,6 +18,7 @@
  *   /tmp/amx_parts pack         (the INT8 token packing, tokens gathered from 64 MiB; no AMX needed)
  *   /tmp/amx_parts pack1        (a layer's gate/up token packing, per expert or the tokens quantized once; no AMX)
  *   /tmp/amx_parts sums         (a down item's weighted sums into the output rows or a compact block; no AMX)
+ *   /tmp/amx_parts stream       (one core streaming BF16 blocks: rows in place against tile-major copies)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #include "ktk_int.h"
@@ -605,6 +606,43 @@ static int sums(void) {
     return 0;
 }
 
+/* "stream": one core streaming a 512 MiB set of BF16 blocks (32 rows x K 2048, 48 tokens) through the tiles:
+ * rows read in place (ktk_amx_gemm_rows: 32 rows 4 KiB apart, prefetched 8 k-steps ahead), the same values
+ * tile-major (ktk_amx_gemm, no prefetch), and tile-major with the next block brought into L2 during each
+ * (ktk_amx_gemm_next), beside the hot tile-major block, which tells the tile unit's state. Would a tile-major
+ * BF16 copy stream faster than the rows in place? */
+static int stream(void) {
+    const int64_t K = 2048, NB = 4096, nt = 48, ldc = 48, rb = K * 2;
+    uint8_t *br = aligned_alloc(4096, (size_t)(NB * 32 * rb));
+    uint16_t *tm = aligned_alloc(4096, (size_t)(NB * 32 * rb));
+    for (int64_t i = 0; i < NB * 32 * rb; i += 2) { br[i] = (uint8_t)(i >> 7); br[i + 1] = 0x3f; }
+    memcpy(tm, br, (size_t)(NB * 32 * rb));   /* the same values: only the time is of interest */
+    uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+    for (int64_t i = 0; i < ktk_amx_pack_x_elems(nt, K); i++) pk[i] = 0x3f80;
+    float *C = aligned_alloc(64, 32 * ldc * 4);
+    for (int round = 0; round < 3; round++) {
+        double t0 = now();
+        for (int i = 0; i < 2000; i++) ktk_amx_gemm(tm, K, pk, nt, C, ldc);
+        const double hot = (now() - t0) / 2000;
+        double dt[3];
+        for (int v = 0; v < 3; v++) {
+            t0 = now();
+            for (int64_t i = 0; i < NB; i++) {
+                if (v == 0) ktk_amx_gemm_rows(br + i * 32 * rb, rb, K, pk, nt, C, ldc);
+                else if (v == 1) ktk_amx_gemm(tm + i * 32 * K, K, pk, nt, C, ldc);
+                else ktk_amx_gemm_next(tm + i * 32 * K, K, pk, nt, C, ldc, (const uint8_t *)(tm + (i + 1) * 32 * K),
+                                       i + 1 < NB ? 32 * rb : 0);
+            }
+            dt[v] = (now() - t0) / NB;
+        }
+        printf("hot tile-major %.2f us; cold: in place %.2f us (%.1f GB/s), tile-major %.2f (%.1f), "
+               "tile-major + next block into L2 %.2f (%.1f)\n", hot * 1e6, dt[0] * 1e6, 32.0 * rb / dt[0] * 1e-9,
+               dt[1] * 1e6, 32.0 * rb / dt[1] * 1e-9, dt[2] * 1e6, 32.0 * rb / dt[2] * 1e-9);
+    }
+    free(br); free(tm); free(pk); free(C);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
     if (argc > 1 && !strcmp(argv[1], "pack1")) return pack1();
@@ -616,6 +654,7 @@ int main(int argc, char **argv) {
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
+    if (argc > 1 && !strcmp(argv[1], "stream")) return stream();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
     if (argc > 1 && !strcmp(argv[1], "gap")) return gap();

@@ -200,18 +200,14 @@ def linear_path(isa_name: str) -> str:
     return f"8-bit grouped GEMM from {start} tokens ({', '.join(names)}), dots otherwise" if names else "dots"
 
 
-ENV_CLAIM = "KTINJECT_POOL_CLAIM"
-
-
 class Pool:
     """A persistent pool of pinned workers; `threads` as in `resolve_threads`."""
 
     def __init__(self, threads: int = 0, pin: bool = True):
         lib, ffi = load()
         threads = resolve_threads(threads)
-        claim = os.environ.get(ENV_CLAIM, "").strip()      # read by ktk_pool_new, which would take a bad one as 1
-        if claim and not (claim.isdigit() and 1 <= int(claim) <= 64):
-            raise NativeError(f"{ENV_CLAIM}={claim!r}: items a worker takes per claim must be an integer 1-64")
+        from .knobs import check_env
+        check_env()   # $KTINJECT_POOL_CLAIM, _SPIN_US, ...: ktk_pool_new would take a bad value as its default
         ptr = lib.ktk_pool_new(int(threads), int(bool(pin)))
         if ptr == ffi.NULL:
             raise NativeError(f"could not start a pool of {threads} threads")

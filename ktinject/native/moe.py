@@ -20,6 +20,7 @@ import torch
 
 from ..errors import NativeError
 from . import ISAS, Pool, _need, _ptr, check, default_pool, isa_index, load, row_bytes  # noqa: F401
+from .knobs import check_env
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +343,7 @@ class MoEKernel:
                  int8_prefill: Optional[bool] = None, int8_group: Union[int, Sequence[int], None] = None,
                  int8_bits: int = 8):
         lib, ffi = load()
+        check_env()   # the layer's $KTINJECT_* settings, which ktk_moe_new and the tile GEMMs read leniently
         bits = _check_bits(int8_bits)
         for m in (gate, up, down):
             m.validate()
