@@ -303,18 +303,22 @@ static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t
     s->ct = 1; s->cr = ldc;
 }
 
-/* A grouped expert's h (its tokens' SiLU(gate) * up, written by P1) packed for the down GEMM (P2) as its tokens were
- * for gate/up (pack_x) */
+/* A grouped expert's rows of K values (its tokens for gate/up, its h for down) packed for the grouped GEMM of the
+ * path at hand: I8 copies (i8, groups of G), AMX bf16 tiles, 8-bit panels (vnni) or f32 panels, into the buffers
+ * of that side (pk: the AMX packings' base; q8, s8: the 8-bit panels and their scales; pf: the f32 panels) */
+static void pack_rows(const ktk_moe *m, const float *const *rows, int64_t e, int64_t K, int i8, int64_t G, int vnni,
+                      uint16_t *pk, int8_t *q8, float *s8, float *pf) {
+    const int64_t n = m->cnt[e], at = m->pk_off[e];
+    if (i8) ktk_amx_pack_x_i8(rows, n, K, G, pk_i8(m, pk, K, e), ts_i8(m, pk, K, G, e), tz_i8(m, pk, K, G, e));
+    else if (m->amx) ktk_amx_pack_x(rows, n, K, pk + at * K);
+    else if (vnni) m->K->pack_q8(rows, n, K, q8 + at * K, s8 + at / 16 * 2 * K);
+    else m->K->pack_f32(rows, n, K, pf + at * K);
+}
+
+/* A grouped expert's h (its tokens' SiLU(gate) * up, written by P1) packed for the down GEMM (P2) */
 static void pack_h(ktk_moe *m, int64_t e, int tid) {
-    const int64_t I = m->d.inter;
     TR_START();
-    if (m->i8_dn)
-        ktk_amx_pack_x_i8(m->hptr + m->off[e], m->cnt[e], I, m->i8_g_dn, pk_i8(m, m->hpk, I, e),
-                          ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e));
-    else if (m->amx) ktk_amx_pack_x(m->hptr + m->off[e], m->cnt[e], I, m->hpk + m->pk_off[e] * I);
-    else if (m->vnni_dn)
-        m->K->pack_q8(m->hptr + m->off[e], m->cnt[e], I, m->hq8 + m->pk_off[e] * I, m->hs8 + m->pk_off[e] / 16 * 2 * I);
-    else m->K->pack_f32(m->hptr + m->off[e], m->cnt[e], I, m->hpf + m->pk_off[e] * I);
+    pack_rows(m, m->hptr + m->off[e], e, m->d.inter, m->i8_dn, m->i8_g_dn, m->vnni_dn, m->hpk, m->hq8, m->hs8, m->hpf);
     TR_ADD(tid, 7);
     (void)tid;
 }
@@ -584,7 +588,7 @@ static void phase_down(ktk_moe *m, int64_t c, int tid) {
 }
 
 /* A grouped expert's tokens packed for its gate/up GEMMs (P0): from the once-quantized (or converted) tokens, which
- * P0's chunks write, else from their floats */
+ * P0's chunks write, else from their floats (pack_rows) */
 static void pack_x(ktk_moe *m, int64_t e, int tid) {
     const int64_t H = m->d.hidden;
     TR_START();
@@ -601,13 +605,8 @@ static void pack_x(ktk_moe *m, int64_t e, int tid) {
                           pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
     } else if (m->amx && m->nqt)
         ktk_amx_pack_b((const uint16_t *)m->tq, m->tok + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
-    else if (m->i8_gu)
-        ktk_amx_pack_x_i8(m->xptr + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
-                          ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
-    else if (m->amx) ktk_amx_pack_x(m->xptr + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
-    else if (m->vnni_gu)
-        m->K->pack_q8(m->xptr + m->off[e], m->cnt[e], H, m->xq8 + m->pk_off[e] * H, m->xs8 + m->pk_off[e] / 16 * 2 * H);
-    else m->K->pack_f32(m->xptr + m->off[e], m->cnt[e], H, m->xpf + m->pk_off[e] * H);
+    else
+        pack_rows(m, m->xptr + m->off[e], e, H, m->i8_gu, m->i8_g_gu, m->vnni_gu, m->xpk, m->xq8, m->xs8, m->xpf);
     TR_ADD(tid, 6);
     (void)tid;
 }
