@@ -32,7 +32,8 @@ def test_every_setting_read_is_registered_and_documented():
 
 @pytest.mark.parametrize("name,value", [("KTINJECT_PACK_ONCE", "off"), ("KTINJECT_AMX_TRIPLE", "true"),
                                         ("KTINJECT_AMX_I4_AHEAD", "9"), ("KTINJECT_TILE_MIN", "four"),
-                                        ("KTINJECT_DOWN_SPLIT", "3"), ("KTINJECT_SPIN_US", "")])
+                                        ("KTINJECT_DOWN_SPLIT", "3"), ("KTINJECT_SPIN_US", ""),
+                                        ("KTINJECT_PACK_ONCE", " 0")])
 def test_bad_values_are_refused_by_name(name, value, monkeypatch):
     monkeypatch.setenv(name, value)
     with pytest.raises(NativeError, match=re.escape(f"${name}={value!r}: takes")):

@@ -70,7 +70,7 @@ def problem(name: str, value: str) -> Optional[str]:
     spec = KNOBS.get(name)
     if spec is None:
         return None
-    kind, v = spec[0], value.strip()
+    kind, v = spec[0], value   # as given: native code reads " 0" as on (its first character is no '0')
     if kind == "any":
         return None
     if kind == "switch":
