@@ -67,3 +67,17 @@ def test_an_unknown_name_is_a_warning_with_the_closest_setting():
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # once per name
         knobs.check_env({"KTINJECT_AMX_TRIPEL": "0", "OTHER_TOOL_SETTING": "x"})
+
+
+def test_doctor_lists_the_settings_and_what_is_wrong_with_them(monkeypatch):
+    from ktinject.cli.doctor import _settings
+    for k in [k for k in __import__("os").environ if k.startswith("KTINJECT_")]:
+        monkeypatch.delenv(k)
+    assert _settings() == "none set (every default)"
+    monkeypatch.setenv("KTINJECT_PACK_ONCE", "0")
+    monkeypatch.setenv("KTINJECT_AMX_I4_AHEAD", "12")
+    monkeypatch.setenv("KTINJECT_AMX_TRIPEL", "1")
+    row = _settings()
+    assert "KTINJECT_PACK_ONCE=0" in row
+    assert "KTINJECT_AMX_I4_AHEAD='12': takes an integer 0-8" in row
+    assert "KTINJECT_AMX_TRIPEL: not a ktinject setting" in row and "$KTINJECT_AMX_TRIPLE" in row

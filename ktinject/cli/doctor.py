@@ -55,6 +55,7 @@ def run(args) -> int:
     rows.append(("cpu", f"{name}, {os.cpu_count()} logical CPUs"))
     rows.append(("cpu ISA", " ".join(f"[green]{f}[/]" if f in flags else f"[dim]-{f}[/]" for f in ISA_FLAGS)))
     rows.append(("native library", _native()))
+    rows.append(("KTINJECT_ settings", _settings()))
     rows.append(("decode hand-over", _handover()))
     rows.append(("int4 decode GEMV", _int4_gemv()))
     from ..operators import registry
@@ -68,6 +69,21 @@ def run(args) -> int:
         table.add_row(k, v)
     console.print(table)
     return 0
+
+
+def _settings() -> str:
+    """The KTINJECT_* variables set here: each green where its setting takes the value, red with what it takes
+    where not (a pool or an experts kernel would refuse to start), yellow where the name is no setting."""
+    from ..native.knobs import survey
+    parts = []
+    for name, value, why, known in survey():
+        if not why:
+            parts.append(f"[green]{name}={value}[/]")
+        elif known:
+            parts.append(f"[red]{name}={value!r}: takes {why}[/]")
+        else:
+            parts.append(f"[yellow]{name}: {why}[/]")
+    return "; ".join(parts) if parts else "none set (every default)"
 
 
 def _native() -> str:

@@ -83,23 +83,31 @@ def problem(name: str, value: str) -> Optional[str]:
     return None
 
 
+def survey(environ: Optional[Mapping[str, str]] = None) -> list[tuple[str, str, Optional[str], bool]]:
+    """(name, value, what is wrong or None, known) for every `KTINJECT_*` variable of the environment; for a name
+    that is no setting, what is wrong says so, with the closest setting."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for name in sorted(k for k in environ if k.startswith("KTINJECT_")):
+        if name in KNOBS:
+            out.append((name, environ[name], problem(name, environ[name]), True))
+        else:
+            close = difflib.get_close_matches(name, KNOBS, n=1)
+            out.append((name, environ[name], "not a ktinject setting, so nothing reads it"
+                        + (f" (did you mean ${close[0]}?)" if close else ""), False))
+    return out
+
+
 def check_env(environ: Optional[Mapping[str, str]] = None) -> None:
     """Every `KTINJECT_*` variable of the environment: a NativeError for values their settings do not take
     (all of them in one message), a warning (once) for names that are no setting."""
-    environ = os.environ if environ is None else environ
     bad = []
-    for name in sorted(environ):
-        if not name.startswith("KTINJECT_"):
-            continue
-        if name not in KNOBS:
+    for name, value, why, known in survey(environ):
+        if why and not known:
             if name not in _warned:
                 _warned.add(name)
-                close = difflib.get_close_matches(name, KNOBS, n=1)
-                warnings.warn(f"${name} is not a ktinject setting, so nothing reads it"
-                              + (f" (did you mean ${close[0]}?)" if close else ""), stacklevel=3)
-            continue
-        why = problem(name, environ[name])
-        if why:
-            bad.append(f"${name}={environ[name]!r}: takes {why}")
+                warnings.warn(f"${name} is {why}", stacklevel=3)
+        elif why:
+            bad.append(f"${name}={value!r}: takes {why}")
     if bad:
         raise NativeError("; ".join(bad) + " (docs/native.md, Environment variables)")
