@@ -346,12 +346,17 @@ void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const 
 
 int ktk_amx_pack_once_usable(void) { return (int)(ktk_cpu_features() >> KTK_ISA_AVX512 & 1); }
 #else
+/* Built without AVX-512: ktk_amx_pack_once_usable says so, and the layer packs each expert's tokens itself
+ * (ktk_amx_pack_x_i8). Reaching these would be a bug in the caller: stop loudly rather than leave the
+ * packing unwritten. */
 void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, int64_t G, int8_t *q, float *qs, float *qz) {
     (void)X; (void)ldx; (void)nt; (void)K; (void)G; (void)q; (void)qs; (void)qz;
+    abort();
 }
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
                        int64_t G, int8_t *pk, float *ts, float *tz) {
     (void)q; (void)qs; (void)qz; (void)idx; (void)nt; (void)K; (void)G; (void)pk; (void)ts; (void)tz;
+    abort();
 }
 int ktk_amx_pack_once_usable(void) { return 0; }
 #endif

@@ -3,9 +3,9 @@
  * One call = one pool job of four phases (items claimed dynamically by the workers):
  *   P0  quantize each token's activations to Q8 blocks (when some expert takes the row-dot
  *       path); pack the tokens of every grouped expert (AMX tiles, or f32 panels); for AMX tiles
- *       the tokens are first quantized (INT8) or converted (bf16) once, 16 a chunk, and the packs
- *       wait for all chunks
- *                                                      items: T/16 or 0, + T or 0, + grouped experts
+ *       the tokens are first quantized (INT8) or converted (bf16) once, in a chunk a worker, and
+ *       the packs wait for all chunks
+ *                                             items: threads or 0, + T or 0, + grouped experts
  *   P1  gate and up projections, h = SiLU(gate) * up, for (expert, 32 rows of I)
  *                                                                items: active experts * I/32
  *   P2  quantize h of the row-dot experts' (token, expert) pairs; pack h of grouped experts

@@ -537,6 +537,7 @@ static int pack(void) {
  * 512 tokens quantized once and each expert packed from their bytes (ktk_amx_quant_rows_i8 + ktk_amx_pack_q_i8);
  * the same for bf16 tiles (ktk_amx_pack_x against ktk_amx_rows_to_bf16 + ktk_amx_pack_b) */
 static int pack1(void) {
+    if (!ktk_amx_pack_once_usable()) { fprintf(stderr, "pack1: the once-quantized packing needs AVX-512\n"); return 1; }
     const int64_t T = 512, K = 2048, G = 256, E = 64, nt = 48, NG = K / G;
     float *x = aligned_alloc(64, (size_t)(T * K) * 4), *qs = malloc((size_t)(2 * T * NG) * 4);
     for (int64_t i = 0; i < T * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
