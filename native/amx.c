@@ -122,24 +122,12 @@ static void emu_dpbssd(int d, int a, int b) {   /* TDPBSSD: int8 x int8 quads su
             for (int k = 0; k < 64; k++) c[m * 16 + n] += (int32_t)av[m * 64 + k] * bv[(k / 4) * 64 + 4 * n + k % 4];
     memcpy(emu_tile[d], c, sizeof c);
 }
-static void emu_dpbusd(int d, int a, int b) {   /* TDPBUSD: uint8 (a) x int8 (b) quads summed into int32 */
-    int32_t c[256];
-    uint8_t av[1024];
-    int8_t bv[1024];
-    memcpy(c, emu_tile[d], sizeof c); memcpy(av, emu_tile[a], sizeof av); memcpy(bv, emu_tile[b], sizeof bv);
-    for (int m = 0; m < 16; m++)
-        for (int n = 0; n < 16; n++)
-            for (int k = 0; k < 64; k++) c[m * 16 + n] += (int32_t)av[m * 64 + k] * bv[(k / 4) * 64 + 4 * n + k % 4];
-    memcpy(emu_tile[d], c, sizeof c);
-}
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
 #undef _tile_dpbssd
-#undef _tile_dpbusd
 #define _tile_dpbssd(d, a, b) emu_dpbssd(d, a, b)
-#define _tile_dpbusd(d, a, b) emu_dpbusd(d, a, b)
 #define _tile_loadd(t, base, stride) emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) emu_stored(t, base, stride)
 #define _tile_zero(t) memset(emu_tile[t], 0, sizeof emu_tile[t])
@@ -148,7 +136,7 @@ static void emu_dpbusd(int d, int a, int b) {   /* TDPBUSD: uint8 (a) x int8 (b)
 static __thread int t_configured;
 static void amx_config(void) { t_configured = 1; }
 #elif defined(__x86_64__)
-#define KTK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f")))
+#define KTK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw")))
 typedef struct __attribute__((packed, aligned(64))) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -315,53 +303,66 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
  * into C per group: C[r][t] (+)= sum * ws[r][g] * ts[t][g], that scaling issued after the next group's first tile
  * products, so that it runs while they do. */
 #if defined(KTK_AMX_EMULATE)
-static inline void i8_scale(const int32_t *ci, const float *ws, const float *wz, int64_t NG, int64_t g, const float *t0,
-                            const float *t1, const float *z0, const float *z1, float *C, int64_t ldc, int first) {
+static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0, const float *t1,
+                            float *C, int64_t ldc, int first) {
     for (int j = 0; j < (t1 ? 2 : 1); j++) {
-        const float *ts = j ? t1 : t0, *tz = j ? z1 : z0;
+        const float *ts = j ? t1 : t0;
         for (int row = 0; row < 32; row++) {
-            const float s = ws[row * NG + g], z = wz ? wz[row * NG + g] : 0.f;
+            const float s = ws[row * NG + g];
             const int32_t *c = ci + (2 * j + row / 16) * 256 + (row % 16) * 16;
             float *o = C + row * ldc + j * 16;
-            for (int t = 0; t < 16; t++) {
-                float v = (first ? 0.f : o[t]) + (float)c[t] * (s * ts[t]);
-                o[t] = wz ? v + z * tz[t] : v;
-            }
+            for (int t = 0; t < 16; t++) o[t] = (first ? 0.f : o[t]) + (float)c[t] * (s * ts[t]);
         }
     }
 }
 #else
-KTK_AMX_TARGET static inline void i8_scale(const int32_t *ci, const float *ws, const float *wz, int64_t NG, int64_t g,
-                                           const float *t0, const float *t1, const float *z0, const float *z1, float *C,
-                                           int64_t ldc, int first) {
+KTK_AMX_TARGET static inline void i8_scale(const int32_t *ci, const float *ws, int64_t NG, int64_t g, const float *t0,
+                                           const float *t1, float *C, int64_t ldc, int first) {
     for (int j = 0; j < (t1 ? 2 : 1); j++) {
-        const __m512 ts = _mm512_loadu_ps(j ? t1 : t0), tz = wz ? _mm512_loadu_ps(j ? z1 : z0) : ts;
+        const __m512 ts = _mm512_loadu_ps(j ? t1 : t0);
         for (int row = 0; row < 32; row++) {
             const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(ws[row * NG + g]), ts);
             const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(ci + (2 * j + row / 16) * 256 + (row % 16) * 16)));
             float *o = C + row * ldc + j * 16;
-            __m512 r = first ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(o));
-            if (wz) r = _mm512_fmadd_ps(_mm512_set1_ps(wz[row * NG + g]), tz, r);
-            _mm512_storeu_ps(o, r);
+            _mm512_storeu_ps(o, first ? _mm512_mul_ps(v, sc) : _mm512_fmadd_ps(v, sc, _mm512_loadu_ps(o)));
         }
     }
 }
 #endif
 
-/* one k-step (1 KiB) of an I4 block's nibbles widened to its two 16-row A tiles (2 KiB at dst): byte i*64 + j's
- * low nibble to row i's byte j, its high nibble to row 16 + i's (the 32-bit shift brings the next byte's low
- * nibble into the high half, which the mask drops) */
+/* I4 copies' values (i8.c): a nibble u of a sub-group whose stored sub-scale is c stands for (c + 1) * (u - 8), an
+ * int8 in [-128, 112]; i4_lut[c] holds the 16 of them, so that one byte shuffle widens 64 nibbles of a row. */
+#define I4_LUT_ROW(c) {(int8_t)(-8 * (c + 1)), (int8_t)(-7 * (c + 1)), (int8_t)(-6 * (c + 1)), (int8_t)(-5 * (c + 1)), \
+                       (int8_t)(-4 * (c + 1)), (int8_t)(-3 * (c + 1)), (int8_t)(-2 * (c + 1)), (int8_t)(-(c + 1)), 0,    \
+                       (int8_t)(c + 1), (int8_t)(2 * (c + 1)), (int8_t)(3 * (c + 1)), (int8_t)(4 * (c + 1)),              \
+                       (int8_t)(5 * (c + 1)), (int8_t)(6 * (c + 1)), (int8_t)(7 * (c + 1))}
+static const int8_t i4_lut[16][16] __attribute__((aligned(64))) = {
+    I4_LUT_ROW(0), I4_LUT_ROW(1), I4_LUT_ROW(2), I4_LUT_ROW(3), I4_LUT_ROW(4), I4_LUT_ROW(5), I4_LUT_ROW(6),
+    I4_LUT_ROW(7), I4_LUT_ROW(8), I4_LUT_ROW(9), I4_LUT_ROW(10), I4_LUT_ROW(11), I4_LUT_ROW(12), I4_LUT_ROW(13),
+    I4_LUT_ROW(14), I4_LUT_ROW(15)};
+#undef I4_LUT_ROW
+
+/* one k-step (1 KiB) of an I4 block's nibbles widened to its two 16-row A tiles (2 KiB at dst) of signed bytes:
+ * byte i*64 + j's low nibble to row i's byte j, its high nibble to row 16 + i's (the 32-bit shift brings the next
+ * byte's low nibble into the high half, which the mask drops), each through its row's table for this k-step
+ * (sub-scales kc[0 .. 32), one a row; only their low 4 bits are read, so no byte can index past the tables) */
 #if defined(KTK_AMX_EMULATE)
-static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
-    for (int i = 0; i < 1024; i++) { dst[i] = src[i] & 15; dst[1024 + i] = src[i] >> 4; }
+static inline void i4_widen(const uint8_t *src, const uint8_t *kc, uint8_t *dst) {
+    for (int i = 0; i < 1024; i++) {
+        dst[i] = (uint8_t)i4_lut[kc[i / 64] & 15][src[i] & 15];
+        dst[1024 + i] = (uint8_t)i4_lut[kc[16 + i / 64] & 15][src[i] >> 4];
+    }
 }
 #else
-KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
+KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, const uint8_t *kc, uint8_t *dst) {
     const __m512i m = _mm512_set1_epi8(15);
     for (int i = 0; i < 16; i++) {
         const __m512i v = _mm512_loadu_si512((const void *)(src + 64 * i));
-        _mm512_storeu_si512((void *)(dst + 64 * i), _mm512_and_si512(v, m));
-        _mm512_storeu_si512((void *)(dst + 1024 + 64 * i), _mm512_and_si512(_mm512_srli_epi32(v, 4), m));
+        const __m512i ta = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)i4_lut[kc[i] & 15]));
+        const __m512i tb = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)i4_lut[kc[16 + i] & 15]));
+        _mm512_storeu_si512((void *)(dst + 64 * i), _mm512_shuffle_epi8(ta, _mm512_and_si512(v, m)));
+        _mm512_storeu_si512((void *)(dst + 1024 + 64 * i),
+                            _mm512_shuffle_epi8(tb, _mm512_and_si512(_mm512_srli_epi32(v, 4), m)));
     }
 }
 #endif
@@ -369,15 +370,15 @@ KTK_AMX_TARGET static inline void i4_widen(const uint8_t *src, uint8_t *dst) {
 /* The first pass's work at k-step ks, before its tile loads: I4 nibbles widened `ahead` k-steps before they are
  * loaded (and, at the start, the ones before that), the copy's rows prefetched pf k-steps further on */
 KTK_AMX_TARGET
-static inline void first_pass_step(const int four, const uint8_t *A, uint8_t *a8, int64_t ks, int64_t KS, int64_t ahead,
-                                   int pf, int l2) {
+static inline void first_pass_step(const int four, const uint8_t *A, const uint8_t *wk, uint8_t *a8, int64_t ks,
+                                   int64_t KS, int64_t ahead, int pf, int l2) {
     if (four) {
         const int64_t kw = ks + ahead;
         if (ks == 0)
-            for (int64_t j = 0; j < ahead && j < KS; j++) i4_widen(A + j * 1024, a8 + j * 2048);
+            for (int64_t j = 0; j < ahead && j < KS; j++) i4_widen(A + j * 1024, wk + j * 32, a8 + j * 2048);
         if (pf && kw + pf < KS)
             for (int i = 0; i < 16; i++) prefetch_line(A + (kw + pf) * 1024 + 64 * i, l2);
-        if (kw < KS) i4_widen(A + kw * 1024, a8 + kw * 2048);
+        if (kw < KS) i4_widen(A + kw * 1024, wk + kw * 32, a8 + kw * 2048);
         AMX_MEMORY_BARRIER();
     } else if (pf && ks + pf < KS) {
         prefetch_a((const uint16_t *)(A + (ks + pf) * 2048), 512, 64, l2);
@@ -391,9 +392,9 @@ static inline int group_major_on(void) { return env_flag(&group_major_flag, "KTI
 
 /* What gemm_ix's passes share: the block, its tokens, C, and a pass's sums waiting in ci to be scaled into C */
 typedef struct {
-    const uint8_t *A, *At;
+    const uint8_t *A, *At, *wk;
     uint8_t *a8;
-    const float *ws, *wz, *ts, *tz;
+    const float *ws, *ts;
     const int8_t *pk;
     float *C;
     int32_t *ci;
@@ -402,16 +403,13 @@ typedef struct {
     int64_t p_tt, p_w, p_g;   /* the pass and group whose sums ci holds, unscaled (p_w 0: none) */
 } ix_job;
 
-/* the sums in ci of token tiles [tt, tt + w) over group g into C: C[r][t] (+)= sum * ws[r][g] * ts[t][g] (+ the zeros'
- * term); ci as the passes store it: [token tile j][row tile][16 x 16] */
+/* the sums in ci of token tiles [tt, tt + w) over group g into C: C[r][t] (+)= sum * ws[r][g] * ts[t][g]; ci as the
+ * passes store it: [token tile j][row tile][16 x 16] */
 KTK_AMX_TARGET static inline void ix_scale(const ix_job *j, int64_t tt, int64_t w, int64_t g) {
     const int64_t NG = j->NG;
-    const float *t0 = j->ts + tt * NG * 16 + g * 16, *z0 = j->four ? j->tz + tt * NG * 16 + g * 16 : NULL;
-    i8_scale(j->ci, j->ws, j->four ? j->wz : NULL, NG, g, t0, w > 1 ? t0 + NG * 16 : NULL, z0,
-             z0 && w > 1 ? z0 + NG * 16 : NULL, j->C + tt * 16, j->ldc, g == 0);
-    if (w == 3)
-        i8_scale(j->ci + 1024, j->ws, j->four ? j->wz : NULL, NG, g, t0 + 2 * NG * 16, NULL, z0 ? z0 + 2 * NG * 16 : NULL,
-                 NULL, j->C + (tt + 2) * 16, j->ldc, g == 0);
+    const float *t0 = j->ts + tt * NG * 16 + g * 16;
+    i8_scale(j->ci, j->ws, NG, g, t0, w > 1 ? t0 + NG * 16 : NULL, j->C + tt * 16, j->ldc, g == 0);
+    if (w == 3) i8_scale(j->ci + 1024, j->ws, NG, g, t0 + 2 * NG * 16, NULL, j->C + (tt + 2) * 16, j->ldc, g == 0);
 }
 
 /* One pass over token tiles [tt, tt + w) (w 2: 2 row tiles x 2 token tiles, four C tiles, two A and two B; w 1: the
@@ -426,13 +424,13 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
     const uint8_t *At = j->At;
     const int8_t *b0 = j->pk + tt * KS * 1024, *b1 = b0 + KS * 1024, *b2 = b1 + KS * 1024;
     int32_t *ci = j->ci;
-#define DP(c, a, b) do { if (four) _tile_dpbusd(c, a, b); else _tile_dpbssd(c, a, b); } while (0)
+#define DP(c, a, b) _tile_dpbssd(c, a, b)
     AMX_MEMORY_BARRIER();
     _tile_zero(0); _tile_zero(1);
     if (w > 1) { _tile_zero(2); _tile_zero(3); }
     if (w > 2) { _tile_zero(4); _tile_zero(5); }
     for (int64_t ks = g * j->SG; ks < (g + 1) * j->SG; ks++) {
-        if (tt == 0) first_pass_step(four, j->A, j->a8, ks, KS, j->ahead, j->pf, j->l2);
+        if (tt == 0) first_pass_step(four, j->A, j->wk, j->a8, ks, KS, j->ahead, j->pf, j->l2);
         if (w == 3) {
             _tile_loadd(6, At + ks * 2048, 64);
             _tile_loadd(7, b0 + ks * 1024, 64); DP(0, 6, 7);
@@ -474,8 +472,8 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
 #undef DP
 }
 
-/* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass, products
- * of unsigned weights and signed tokens, and the zeros' term in each group's scaling).
+/* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass through their sub-scales
+ * wk to the signed bytes (c + 1) * (u - 8); from there on the same signed products and group scaling as I8's).
  * Token tiles go in pairs, a last odd one alone (ix_pass); but (unless KTINJECT_AMX_TRIPLE=0) an odd count of 3 or more
  * starts with three token tiles in one pass instead (a V2-Lite expert's 48 tokens at batch 512), with no second
  * pass reading the block's rows again. Passes over all of K one after the other, each group's sums scaled into C
@@ -483,12 +481,12 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
  * next group's, so that the group's widened rows (and the tokens' bytes) are still in L1 for the later passes
  * rather than read again from L2. The same sums in the same order either way: C alike bit for bit. */
 KTK_AMX_TARGET
-static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G,
-                           const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc,
-                           int32_t *ci, uint8_t *a8, int pf, int overlap, int64_t ahead) {
+static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, const uint8_t *wk, int64_t K, int64_t G,
+                           const int8_t *pk, const float *ts, int64_t nt, float *C, int64_t ldc, int32_t *ci,
+                           uint8_t *a8, int pf, int overlap, int64_t ahead) {
     if (!t_configured) amx_config();
     const int64_t ntt = (nt + 15) / 16;
-    ix_job j = {A, four ? a8 : A, a8, ws, wz, ts, tz, pk, C, ci, K / 64, K / G, G / 64, ldc, ahead,
+    ix_job j = {A, four ? a8 : A, wk, a8, ws, ts, pk, C, ci, K / 64, K / G, G / 64, ldc, ahead,
                 four, pf, pf_l2(), overlap, 0, 0, 0};
     const int tri = ntt >= 3 && ntt % 2 && triple_on();
 #define PASS_W(tt) (tri && (tt) == 0 ? 3 : (tt) + 1 < ntt ? 2 : 1)
@@ -506,14 +504,14 @@ static inline void gemm_ix(const int four, const uint8_t *A, const float *ws, co
 KTK_AMX_TARGET
 void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
                      int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap) {
-    gemm_ix(0, (const uint8_t *)A, ws, NULL, K, G, pk, ts, NULL, nt, C, ldc, ci, NULL, pf, overlap, 0);
+    gemm_ix(0, (const uint8_t *)A, ws, NULL, K, G, pk, ts, nt, C, ldc, ci, NULL, pf, overlap, 0);
 }
 
 KTK_AMX_TARGET
-void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
-                     const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                     int pf, int overlap, int ahead) {
-    gemm_ix(1, A, ws, wz, K, G, pk, ts, tz, nt, C, ldc, ci, a8, pf, overlap, ahead < 0 ? 0 : ahead);
+void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const uint8_t *wk, int64_t K, int64_t G, const int8_t *pk,
+                     const float *ts, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8, int pf, int overlap,
+                     int ahead) {
+    gemm_ix(1, A, ws, wk, K, G, pk, ts, nt, C, ldc, ci, a8, pf, overlap, ahead < 0 ? 0 : ahead);
 }
 
 #undef AMX_MEMORY_BARRIER
@@ -723,10 +721,10 @@ void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, con
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
 }
-void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
-                     const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                     int pf, int overlap, int ahead) {
-    (void)A; (void)ws; (void)wz; (void)K; (void)G; (void)pk; (void)ts; (void)tz; (void)nt; (void)C; (void)ldc; (void)ci;
+void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const uint8_t *wk, int64_t K, int64_t G, const int8_t *pk,
+                     const float *ts, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8, int pf, int overlap,
+                     int ahead) {
+    (void)A; (void)ws; (void)wk; (void)K; (void)G; (void)pk; (void)ts; (void)nt; (void)C; (void)ldc; (void)ci;
     (void)a8; (void)pf; (void)overlap; (void)ahead;
 }
 void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,

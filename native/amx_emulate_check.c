@@ -72,21 +72,21 @@ static double rel_err(const float *out, const float *ref, int64_t n) {   /* |out
 }
 
 /* The I8 (bits 8) or I4 (bits 4) copies (i8.c) and the AMX-INT8 tile GEMM: every value of the
- * repack's copy within half a step of the f32 dequantization (and the dequant reading back the
- * layout), every token within half a step of its packing (I4: its zero term the scale times the
- * group's sum), and ktk_amx_gemm_i8 / ktk_amx_gemm_i4 against a double-precision dot of the copy's
+ * repack's copy within half a step of the f32 dequantization (I4: of its sub-group's step, but for values
+ * past the clipped ends of its range), the dequant reading back the layout, every token within half a step of its
+ * packing, and ktk_amx_gemm_i8 / ktk_amx_gemm_i4 against a double-precision dot of the copy's
  * and the packed tokens' values, the padding columns zero and the columns past them untouched. */
 #define XB(r, n, G) (bits == 4 ? ktk_i4_expert_bytes(r, n, G) : ktk_i8_expert_bytes(r, n, G))
 #define XR(...) (bits == 4 ? ktk_i4_repack(__VA_ARGS__) : ktk_i8_repack(__VA_ARGS__))
 #define XD(...) (bits == 4 ? ktk_i4_dequant(__VA_ARGS__) : ktk_i8_dequant(__VA_ARGS__))
 static void gemm_ix(int bits, const uint8_t *cp, int64_t R, int64_t blk, int64_t n, int64_t G, const int8_t *pk,
-                    const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                    int pf, int overlap, int ahead) {   /* block blk of the expert copy at cp */
+                    const float *ts, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8, int pf, int overlap,
+                    int ahead) {   /* block blk of the expert copy at cp */
     const int64_t NG = n / G;
     const float *ws = (const float *)(cp + R * n * bits / 8);
     if (bits == 4)
-        ktk_amx_gemm_i4(cp + blk * 32 * n / 2, ws + blk * 32 * NG, ws + R * NG + blk * 32 * NG, n, G, pk, ts, tz, nt, C,
-                        ldc, ci, a8, pf, overlap, ahead);
+        ktk_amx_gemm_i4(cp + blk * 32 * n / 2, ws + blk * 32 * NG, cp + R * n / 2 + R * NG * 4 + blk * 32 * (n / 64), n, G,
+                        pk, ts, nt, C, ldc, ci, a8, pf, overlap, ahead);
     else
         ktk_amx_gemm_i8((const int8_t *)cp + blk * 32 * n, ws + blk * 32 * NG, n, G, pk, ts, nt, C, ldc, ci, pf, overlap);
 }
@@ -103,13 +103,12 @@ static int check_ix(int bits) {
         for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
             const int t = types[ti];
             const int64_t n = ns[ni][0], rb = ktk_row_bytes(t, n), es = XB(R, n, ns[ni][1]);
-            const int64_t G = ns[ni][1] ? ns[ni][1] : ktk_i8_group(n);
+            const int64_t G = ns[ni][1] ? ns[ni][1] : bits == 4 ? ktk_i4_group(n) : ktk_i8_group(n);
             if (rb < 0) continue;
             uint8_t *rows = malloc((size_t)(E * R * rb)), *cp = aligned_alloc(64, (size_t)(E * es));
             float *w = malloc((size_t)(R * n) * 4), *wq = malloc((size_t)(R * n) * 4), *x = malloc((size_t)(48 * n) * 4);
             float *xq = malloc((size_t)(48 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 64 * 4);
             int8_t *pk = aligned_alloc(64, (size_t)(48 * n)); float *ts = malloc((size_t)(48 * n / G) * 4);
-            float *tz = malloc((size_t)(48 * n / G) * 4);
             int32_t *ci = aligned_alloc(64, 6144);
             uint8_t *a8 = aligned_alloc(64, (size_t)(32 * n));
             const float *xp[48];
@@ -120,10 +119,21 @@ static int check_ix(int bits) {
             for (int64_t e = 0; !rc && e < E; e++) {
                 XD(cp + e * es, R, n, G, wq);
                 const float *ws = (const float *)(cp + e * es + R * n * bits / 8);
+                const uint8_t *wk = cp + e * es + R * n / 2 + R * (n / G) * 4;   /* (I4) */
                 for (int64_t r = 0; r < R; r++) {
                     K->dequant(t, rows + (e * R + r) * rb, w + r * n, n);
                     for (int64_t k = 0; k < n; k++) {
-                        const double step = ws[r * (n / G) + k / G];
+                        double step = ws[r * (n / G) + k / G];
+                        if (bits == 4) {   /* the sub-group's step; a value past the range's ends: that end */
+                            step *= (wk[((r / 32) * (n / 64) + k / 64) * 32 + r % 32] & 15) + 1;
+                            if (w[r * n + k] > 7.5 * step || w[r * n + k] < -8.5 * step) {
+                                const double end = w[r * n + k] > 0 ? 7 * step : -8 * step;
+                                if (!(fabs(wq[r * n + k] - end) <= 1e-6 * fabs(end)) && bad++ < 3)
+                                    printf("FAIL i4 type %d n %lld row %lld value %lld: %g clipped to %g, want %g\n", t,
+                                           (long long)n, (long long)r, (long long)k, w[r * n + k], wq[r * n + k], end);
+                                continue;
+                            }
+                        }
                         if (!(fabs((double)wq[r * n + k] - w[r * n + k]) <= 0.5 * step * (1 + 1e-5) + 1e-30) && bad++ < 3)
                             printf("FAIL i%d type %d n %lld expert %lld row %lld value %lld: %g, want %g (step %g)\n", bits, t,
                                    (long long)n, (long long)e, (long long)r, (long long)k, wq[r * n + k], w[r * n + k], step);
@@ -135,7 +145,7 @@ static int check_ix(int bits) {
             for (int j = 0; j < 48; j++) xp[j] = x + j * n;
             for (size_t ci_ = 0; !rc && ci_ < sizeof nts / sizeof *nts; ci_++) {
                 const int64_t nt = nts[ci_], pad = (nt + 15) / 16 * 16, ldc = pad + 16;
-                ktk_amx_pack_x_i8(xp, nt, n, G, pk, ts, bits == 4 ? tz : NULL);
+                ktk_amx_pack_x_i8(xp, nt, n, G, pk, ts);
                 int badx = 0;
                 for (int64_t j = 0; j < pad; j++)   /* the packed tokens read back */
                     for (int64_t k = 0; k < n; k++) {
@@ -149,22 +159,13 @@ static int check_ix(int bits) {
                         if (!(fabsf(v - want) <= 0.5f * sc * (1 + 1e-4f)) && badx++ < 3)
                             printf("FAIL pack_x_i8 n %lld token %lld value %lld: %g, want %g\n", (long long)n, (long long)j,
                                    (long long)k, v, want);
-                        if (bits == 4 && k % G == 0) {   /* the zero term: the scale times the group's int8 sum */
-                            int32_t sum = 0;
-                            for (int64_t i = k; i < k + G; i++)
-                                sum += pk[(tt * (n / 64) + i / 64) * 1024 + (i % 64) / 4 * 64 + tj * 4 + i % 4];
-                            const float z = tz[(tt * (n / G) + k / G) * 16 + tj];
-                            if (z != sc * (float)sum && badx++ < 3)
-                                printf("FAIL pack_x_i8 n %lld token %lld group %lld: zero term %g, want %g\n", (long long)n,
-                                       (long long)j, (long long)(k / G), z, sc * (float)sum);
-                        }
                     }
                 fails += badx != 0;
                 for (int64_t blk = 0; blk < R / 32; blk++) {   /* expert 1's blocks: the scales' offsets */
                     XD(cp + es, R, n, G, wq);
                     for (int64_t i = 0; i < 32 * ldc; i++) C[i] = NAN;
                     /* prefetch 0 and 3; both orders; I4 nibbles widened 0-4 k-steps ahead (past K where n is 192) */
-                    gemm_ix(bits, cp + es, R, blk, n, G, pk, ts, tz, nt, C, ldc, ci, a8, (int)(blk * 3), (int)(nt & 1),
+                    gemm_ix(bits, cp + es, R, blk, n, G, pk, ts, nt, C, ldc, ci, a8, (int)(blk * 3), (int)(nt & 1),
                             (int)((2 * blk + nt) % 5));
                     int badg = 0;
                     double worst = 0;
@@ -186,13 +187,12 @@ static int check_ix(int bits) {
                     fails += badg != 0;
                 }
             }
-            free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(tz); free(ci); free(a8);
+            free(rows); free(cp); free(w); free(wq); free(x); free(xq); free(C); free(pk); free(ts); free(ci); free(a8);
         }
     {   /* a NaN among a token's values (or a weight row's): that token's (row's) outputs are NaN, the others not */
         const int64_t n = 256, rb = ktk_row_bytes(KTK_BF16, n), es = XB(32, n, 0);
         uint8_t *rows = malloc((size_t)(32 * rb)), *cp = aligned_alloc(64, (size_t)es), *a8 = aligned_alloc(64, 32 * 256);
         float *x = malloc((size_t)(17 * n) * 4), *C = aligned_alloc(64, (size_t)32 * 32 * 4), *ts = malloc(2 * 16 * 4);
-        float *tz = malloc(2 * 16 * 4);
         int8_t *pk = aligned_alloc(64, (size_t)(32 * n));
         int32_t *ci = aligned_alloc(64, 6144);
         const float *xp[17];
@@ -203,12 +203,12 @@ static int check_ix(int bits) {
         x[3 * n + 5] = NAN;                          /* token 3, value 5 */
         for (int j = 0; j < 17; j++) xp[j] = x + j * n;
         int bad = XR(NULL, KTK_BF16, rows, rb, 32 * rb, 1, 32, n, 0, cp) != KTK_OK;
-        ktk_amx_pack_x_i8(xp, 17, n, 256, pk, ts, tz);
-        gemm_ix(bits, cp, 32, 0, n, 256, pk, ts, tz, 17, C, 32, ci, a8, 0, 1, 2);
+        ktk_amx_pack_x_i8(xp, 17, n, 256, pk, ts);
+        gemm_ix(bits, cp, 32, 0, n, 256, pk, ts, 17, C, 32, ci, a8, 0, 1, 2);
         for (int r = 0; r < 32 && !bad; r++)
             for (int j = 0; j < 17 && !bad; j++) bad = (r == 7 || j == 3) != (isnan(C[r * 32 + j]) != 0);
         if (bad) { printf("FAIL i%d: a NaN token or weight does not give NaN outputs (only)\n", bits); fails++; }
-        free(rows); free(cp); free(x); free(C); free(ts); free(tz); free(pk); free(ci); free(a8);
+        free(rows); free(cp); free(x); free(C); free(ts); free(pk); free(ci); free(a8);
     }
     if (ktk_amx_pack_once_usable()) {   /* the tokens quantized once, then packed per expert: pack_x_i8's bytes and scales */
         static const int64_t kg[][2] = {{2048, 256}, {1408, 704}, {192, 64}};
@@ -217,17 +217,17 @@ static int check_ix(int bits) {
         for (size_t ki = 0; ki < sizeof kg / sizeof *kg; ki++)
             for (size_t ci2 = 0; ci2 < sizeof cnts / sizeof *cnts; ci2++) {
                 const int64_t n = kg[ki][0], G = kg[ki][1], nt = cnts[ci2], NG = n / G, sz = (nt + 15) / 16 * 16;
-                float *x = malloc((size_t)(T * n) * 4), *qs = malloc((size_t)(2 * T * NG) * 4);
+                float *x = malloc((size_t)(T * n) * 4), *qs = malloc((size_t)(T * NG) * 4);
                 int8_t *q = malloc((size_t)(T * n)), *p0 = aligned_alloc(64, (size_t)(sz * n)), *p1 = aligned_alloc(64, (size_t)(sz * n));
-                float *s0 = malloc((size_t)(sz * NG * 2) * 4), *s1 = malloc((size_t)(sz * NG * 2) * 4);
+                float *s0 = malloc((size_t)(sz * NG) * 4), *s1 = malloc((size_t)(sz * NG) * 4);
                 const float *xp[48];
                 int64_t idx[48];
                 for (int64_t i = 0; i < T * n; i++) x[i] = frand() * (i % 97 == 0 ? 30.f : 1.f);
                 for (int64_t j = 0; j < nt; j++) { idx[j] = (j * 7 + 3) % T; xp[j] = x + idx[j] * n; }   /* a gather, a token twice */
-                ktk_amx_pack_x_i8(xp, nt, n, G, p0, s0, bits == 4 ? s0 + sz * NG : NULL);
-                ktk_amx_quant_rows_i8(x, n, T, n, G, q, qs, qs + T * NG);
-                ktk_amx_pack_q_i8(q, qs, qs + T * NG, idx, nt, n, G, p1, s1, bits == 4 ? s1 + sz * NG : NULL);
-                if (memcmp(p0, p1, (size_t)(sz * n)) || memcmp(s0, s1, (size_t)(sz * NG * (bits == 4 ? 2 : 1)) * 4)) {
+                ktk_amx_pack_x_i8(xp, nt, n, G, p0, s0);
+                ktk_amx_quant_rows_i8(x, n, T, n, G, q, qs);
+                ktk_amx_pack_q_i8(q, qs, idx, nt, n, G, p1, s1);
+                if (memcmp(p0, p1, (size_t)(sz * n)) || memcmp(s0, s1, (size_t)(sz * NG) * 4)) {
                     printf("FAIL i%d: packing from tokens quantized once differs, n %lld, %lld tokens\n", bits, (long long)n, (long long)nt);
                     fails++;
                 }
@@ -238,8 +238,10 @@ static int check_ix(int bits) {
     if (XB(48, 256, 0) != -1 || XB(64, 96, 0) != -1 || ktk_i8_group(1408) != 704 ||
         XB(64, 1408, 256) != -1 || XB(64, 2048, 2048) != -1 ||   /* G must divide n, <= 1024 */
         XB(64, 2048, 96) != -1 || XB(64, 2048, -64) != -1 ||     /* G % 64, G > 0 */
-        XB(64, 2048, 1024) != (bits == 4 ? 64 * 2048 / 2 + 64 * 2 * 8 : 64 * 2048 + 64 * 2 * 4) ||
-        ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 192 || ktk_i8_group(2944) != 128 || ktk_i8_group(32) != -1) {
+        XB(64, 2048, 1024) != (bits == 4 ? 64 * 2048 / 2 + 64 * 2 * 4 + 64 * 32 : 64 * 2048 + 64 * 2 * 4) ||
+        ktk_i8_group(2048) != 256 || ktk_i8_group(192) != 192 || ktk_i8_group(2944) != 128 || ktk_i8_group(32) != -1 ||
+        ktk_i4_group(2048) != 1024 || ktk_i4_group(1408) != 704 || ktk_i4_group(7168) != 1024 ||
+        ktk_i4_group(192) != 192 || ktk_i4_group(2944) != 128 || ktk_i4_group(96) != -1) {
         printf("FAIL i%d shape rules\n", bits);
         fails++;
     }

@@ -97,7 +97,7 @@ typedef struct {
      * each): on the AMX path with AMX-INT8, the grouped (prefill) experts multiply it with 8-bit
      * tiles instead of converting the GGML rows to bf16. Gate and up both or neither. */
     const uint8_t *gate_i8, *up_i8, *down_i8;
-    int64_t gate_i8_group, down_i8_group;  /* the copies' group sizes G (gate and up share one; 0: ktk_i8_group) */
+    int64_t gate_i8_group, down_i8_group;  /* the copies' group sizes G (gate and up share one; 0: ktk_i8_group, I4: ktk_i4_group) */
     int i8_bits;                          /* 8 (or 0): the *_i8 copies are I8 ones; 4: I4 (ktk_i4_repack) */
 } ktk_moe_desc;
 
@@ -155,8 +155,10 @@ int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n, int64_t G);
 int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
                   int64_t rows, int64_t n, int64_t G, uint8_t *dst);
 int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *dst);
-/* I4 copies: the same groups and shape rules, 4 bits a weight with a scale and a zero per row and
- * group (layout in i8.c), for the same tiles (AMX-INT8, the nibbles widened to bytes in L1). */
+/* I4 copies: the same shape rules, 4 bits a weight, symmetric, with an integer sub-scale per 64 values under a
+ * scale per row and group (layout in i8.c; default group ktk_i4_group(n): the longest up to KTK_I8_GMAX that
+ * divides n), for the same tiles (AMX-INT8, the nibbles widened to bytes in L1). */
+int64_t ktk_i4_group(int64_t n);
 int64_t ktk_i4_expert_bytes(int64_t rows, int64_t n, int64_t G);
 int ktk_i4_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
                   int64_t rows, int64_t n, int64_t G, uint8_t *dst);

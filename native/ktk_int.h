@@ -222,23 +222,21 @@ void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows);
  * overlap: scale a group's sums into C while the next group's products run (0: after each group). */
 void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, const int8_t *pk, const float *ts,
                      int64_t nt, float *C, int64_t ldc, int32_t *ci, int pf, int overlap);
-/* The same on a block of 32 rows of an I4 copy (nibbles at A, 1 KiB a 64-value k-step;
- * scales ws and zeros wz as ws above): C[r][t] += sum * ws * ts + wz * tz per group, tz from
- * ktk_amx_pack_x_i8; a8: 32 * K bytes of scratch, where the first pass over the tokens widens the
- * nibbles to bytes (the later passes read them there), ahead k-steps before the tiles load them
- * (0: the step about to be loaded). */
-void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const float *wz, int64_t K, int64_t G, const int8_t *pk,
-                     const float *ts, const float *tz, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8,
-                     int pf, int overlap, int ahead);
-/* tz: NULL, or the zero-point terms for ktk_amx_gemm_i4 (layout in i8.c) */
-void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts, float *tz);
+/* The same on a block of 32 rows of an I4 copy (nibbles at A, 1 KiB a 64-value k-step; scales ws as above; wk: the
+ * block's sub-scales, 32 bytes a k-step, layout in i8.c): a8: 32 * K bytes of scratch, where the first pass over the
+ * tokens widens the nibbles to signed bytes (the later passes read them there), ahead k-steps before the tiles load
+ * them (0: the step about to be loaded). */
+void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const uint8_t *wk, int64_t K, int64_t G, const int8_t *pk,
+                     const float *ts, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8, int pf, int overlap,
+                     int ahead);
+/* tokens for ktk_amx_gemm_i8 / ktk_amx_gemm_i4 (layout in i8.c) */
+void ktk_amx_pack_x_i8(const float *const *X, int64_t nt, int64_t K, int64_t G, int8_t *pk, float *ts);
 /* the same packing in two steps (AVX-512 only: ktk_amx_pack_once_usable): every token quantized once, row t of X
- * (ldx floats apart) to q + t * K, its groups' scales to qs[t * K / G + g] and zero terms (scale times the sum of
- * the group's int8 values) to qz; then each expert's tokens idx[0 .. nt) packed from those bytes, tz as in
- * ktk_amx_pack_x_i8 (NULL: I8) */
-void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, int64_t G, int8_t *q, float *qs, float *qz);
-void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const float *qz, const int64_t *idx, int64_t nt, int64_t K,
-                       int64_t G, int8_t *pk, float *ts, float *tz);
+ * (ldx floats apart) to q + t * K, its groups' scales to qs[t * K / G + g]; then each expert's tokens idx[0 .. nt)
+ * packed from those bytes */
+void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, int64_t G, int8_t *q, float *qs);
+void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const int64_t *idx, int64_t nt, int64_t K, int64_t G,
+                       int8_t *pk, float *ts);
 int ktk_amx_pack_once_usable(void);
 /* ktk_amx_pack_x in two steps: rows of X (ldx floats apart) to bf16 once, y[t * K + k]; then the tokens idx[0 .. nt)
  * of those rows packed as ktk_amx_pack_x packs them (the same bits) */

@@ -151,8 +151,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->i4 = d->i8_bits == 4;
         m->i8_es_gu = d->gate_i8 ? ix_expert_bytes(d->i8_bits, d->inter, d->hidden, d->gate_i8_group) : 0;
         m->i8_es_dn = d->down_i8 ? ix_expert_bytes(d->i8_bits, d->hidden, d->inter, d->down_i8_group) : 0;
-        m->i8_g_gu = d->gate_i8_group ? d->gate_i8_group : ktk_i8_group(d->hidden);
-        m->i8_g_dn = d->down_i8_group ? d->down_i8_group : ktk_i8_group(d->inter);
+        m->i8_g_gu = d->gate_i8_group ? d->gate_i8_group : m->i4 ? ktk_i4_group(d->hidden) : ktk_i8_group(d->hidden);
+        m->i8_g_dn = d->down_i8_group ? d->down_i8_group : m->i4 ? ktk_i4_group(d->inter) : ktk_i8_group(d->inter);
         m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
         m->act = calloc((size_t)E, sizeof(int64_t)); m->tile_list = calloc((size_t)E, sizeof(int64_t));
         m->plain_list = calloc((size_t)E, sizeof(int64_t));
@@ -276,26 +276,23 @@ static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows,
     (void)tid; (void)part;
 }
 
-/* The AMX-INT8 path: the expert's tokens packed by ktk_amx_pack_x_i8 in the space of the bf16 ones
- * (npad * K bytes, then the scales: npad * K / G floats, then for I4 copies their zero terms as many,
- * never more than the bf16 packing's 2 bytes a value), and a block of 32 rows from the expert's I8
- * (or I4) copy at w. */
+/* The AMX-INT8 path: the expert's tokens packed by ktk_amx_pack_x_i8 in the space of the bf16 ones (npad * K bytes,
+ * then the scales: npad * K / G floats, never more than the bf16 packing's 2 bytes a value), and a block of 32 rows
+ * from the expert's I8 (or I4) copy at w. */
 static inline int8_t *pk_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t e) {
     return (int8_t *)base + m->pk_off[e] * K;
 }
 static inline float *ts_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t G, int64_t e) {
     return (float *)((int8_t *)base + m->npad * K) + m->pk_off[e] * (K / G);
 }
-static inline float *tz_i8(const ktk_moe *m, uint16_t *base, int64_t K, int64_t G, int64_t e) {
-    return m->i4 ? ts_i8(m, base, K, G, e) + m->npad * (K / G) : NULL;
-}
 static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t rows, int64_t K, int64_t G, int64_t r0,
-                       const int8_t *pk, const float *ts, const float *tz, int64_t nt, float *C) {
+                       const int8_t *pk, const float *ts, int64_t nt, float *C) {
     const int64_t ldc = (nt + 15) / 16 * 16, NG = K / G;
     if (m->i4) {   /* the widened nibbles go to the (here unused) f32 rows' scratch: 4 * RC * maxk bytes */
         const float *ws = (const float *)(w + rows * K / 2);
-        ktk_amx_gemm_i4(w + r0 * K / 2, ws + r0 * NG, ws + rows * NG + r0 * NG, K, G, pk, ts, tz, nt, C, ldc,
-                        (int32_t *)s->wb, (uint8_t *)s->wf, m->i8_pf, m->i8_overlap, m->i4_ahead);
+        const uint8_t *wk = w + rows * K / 2 + rows * NG * 4 + r0 * (K / 64);   /* the block's sub-scales (i8.c) */
+        ktk_amx_gemm_i4(w + r0 * K / 2, ws + r0 * NG, wk, K, G, pk, ts, nt, C, ldc, (int32_t *)s->wb, (uint8_t *)s->wf,
+                        m->i8_pf, m->i8_overlap, m->i4_ahead);
     } else {
         ktk_amx_gemm_i8((const int8_t *)w + r0 * K, (const float *)(w + rows * K) + r0 * NG, K, G, pk, ts, nt, C, ldc,
                         (int32_t *)s->wb, m->i8_pf, m->i8_overlap);
@@ -309,7 +306,7 @@ static void grouped_i8(const ktk_moe *m, scratch_t *s, const uint8_t *w, int64_t
 static void pack_rows(const ktk_moe *m, const float *const *rows, int64_t e, int64_t K, int i8, int64_t G, int vnni,
                       uint16_t *pk, int8_t *q8, float *s8, float *pf) {
     const int64_t n = m->cnt[e], at = m->pk_off[e];
-    if (i8) ktk_amx_pack_x_i8(rows, n, K, G, pk_i8(m, pk, K, e), ts_i8(m, pk, K, G, e), tz_i8(m, pk, K, G, e));
+    if (i8) ktk_amx_pack_x_i8(rows, n, K, G, pk_i8(m, pk, K, e), ts_i8(m, pk, K, G, e));
     else if (m->amx) ktk_amx_pack_x(rows, n, K, pk + at * K);
     else if (vnni) m->K->pack_q8(rows, n, K, q8 + at * K, s8 + at / 16 * 2 * K);
     else m->K->pack_f32(rows, n, K, pf + at * K);
@@ -333,10 +330,10 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
         if (m->i8_gu) {
             const int8_t *pk = pk_i8(m, m->xpk, H, e);
-            const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e), *tz = tz_i8(m, m->xpk, H, m->i8_g_gu, e);
+            const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e);
             TR_START();
-            grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, tz, n, s.c0);
-            grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, tz, n, s.c1);
+            grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c0);
+            grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c1);
             TR_ADD(tid, 1);
         } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
@@ -452,7 +449,7 @@ static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int
     if (m->i8_dn) {
         TR_START();
         grouped_i8(m, s, d->down_i8 + e * m->i8_es_dn, H, I, m->i8_g_dn, r0, pk_i8(m, m->hpk, I, e),
-                   ts_i8(m, m->hpk, I, m->i8_g_dn, e), tz_i8(m, m->hpk, I, m->i8_g_dn, e), n, s->c0);
+                   ts_i8(m, m->hpk, I, m->i8_g_dn, e), n, s->c0);
         TR_ADD(tid, 4);
     } else if (m->amx) {
         int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
@@ -599,10 +596,9 @@ static void pack_x(ktk_moe *m, int64_t e, int tid) {
             if (spin & 0xff) ktk_relax(); else sched_yield();
     }
     if (m->i8_gu && m->nqt) {
-        const int64_t NG = H / m->i8_g_gu;
         const float *qs = (const float *)(m->tq + m->T * H);
-        ktk_amx_pack_q_i8(m->tq, qs, qs + m->T * NG, m->tok + m->off[e], m->cnt[e], H, m->i8_g_gu,
-                          pk_i8(m, m->xpk, H, e), ts_i8(m, m->xpk, H, m->i8_g_gu, e), tz_i8(m, m->xpk, H, m->i8_g_gu, e));
+        ktk_amx_pack_q_i8(m->tq, qs, m->tok + m->off[e], m->cnt[e], H, m->i8_g_gu, pk_i8(m, m->xpk, H, e),
+                          ts_i8(m, m->xpk, H, m->i8_g_gu, e));
     } else if (m->amx && m->nqt)
         ktk_amx_pack_b((const uint16_t *)m->tq, m->tok + m->off[e], m->cnt[e], H, m->xpk + m->pk_off[e] * H);
     else
@@ -622,7 +618,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
             if (m->i8_gu) {
                 const int64_t NG = H / m->i8_g_gu;
                 float *qs = (float *)(m->tq + m->T * H);
-                ktk_amx_quant_rows_i8(m->x + t0 * H, H, n, H, m->i8_g_gu, m->tq + t0 * H, qs + t0 * NG, qs + m->T * NG + t0 * NG);
+                ktk_amx_quant_rows_i8(m->x + t0 * H, H, n, H, m->i8_g_gu, m->tq + t0 * H, qs + t0 * NG);
             } else {
                 ktk_amx_rows_to_bf16(m->x + t0 * H, H, n, H, (uint16_t *)m->tq + t0 * H);
             }
@@ -741,8 +737,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->nq0 = m->nplain ? T : 0;   /* token activations are quantized for the row-dot path only */
     m->nqt = 0; m->tq_done = 0;
     if (m->amx && m->ntile && m->pack_once && (!m->i8_gu || ktk_amx_pack_once_usable())) {
-        /* I8: bytes, then 2 floats a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes) */
-        const size_t need = m->i8_gu ? (size_t)(T * H + 2 * T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2);
+        /* I8: bytes, then a float a group; bf16 tiles: 2 bytes a value. In h where it fits (always, for real shapes) */
+        const size_t need = m->i8_gu ? (size_t)(T * H + T * (H / m->i8_g_gu) * 4) : (size_t)(T * H * 2);
         if (need <= (size_t)(P * I) * sizeof *m->h) m->tq = (int8_t *)m->h;
         else m->tq = m->tqmem = grow(m->tqmem, NULL, need, 1, &fail);
         if (fail) return KTK_ENOMEM;

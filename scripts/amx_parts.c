@@ -432,7 +432,7 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
 }
 #endif
 
-/* "i8": ktk_amx_gemm_i8 on 32 rows of an I8 copy (and ktk_amx_gemm_i4 on an I4 one, at G 256 / 704) (random int8 values and scales; any group size G
+/* "i8": ktk_amx_gemm_i8 on 32 rows of an I8 copy (and ktk_amx_gemm_i4 on an I4 one, at G 256 / 704 / 1024) (random int8 values and scales; any group size G
  * that is a multiple of 64 dividing K, since the GEMM takes G as an argument), hot (one block, in L1/L2)
  * and cold (a fresh block of a 256 MiB set each call, as the layer's first pass over the tokens reads
  * them), beside the bf16 tile GEMM of the same shape (the bench's tile probe is its 48-token row). */
@@ -447,6 +447,8 @@ static int i8(void) {
         for (int64_t i = 0; i < 32 * K * COLD; i++) A[i] = (int8_t)(((uint64_t)i * 2654435761u >> 13) % 255 - 127);
         float *ws = aligned_alloc(64, 32 * KS * 4);
         for (int64_t i = 0; i < 32 * KS; i++) ws[i] = 1e-3f * (1 + i % 7);
+        uint8_t *wk = aligned_alloc(64, (size_t)(32 * KS * COLD));   /* I4 sub-scales, a block's after another's */
+        for (int64_t i = 0; i < 32 * KS * COLD; i++) wk[i] = (uint8_t)((i * 37) % 16);
         uint16_t *wt = aligned_alloc(64, (size_t)(32 * 2 * 2048));
         for (int64_t i = 0; i < 32 * K; i++) wt[i] = 0x3f80 + (uint16_t)(i % 64);
         for (int ni = 0; ni < 5; ni++) {
@@ -461,7 +463,7 @@ static int i8(void) {
             printf("K=%ld tokens %ld: bf16 gemm hot %.2f us (%.2f TFLOPS)\n", (long)K, (long)nt, bf * 1e6,
                    2.0 * 32 * nt * K / bf * 1e-12);
             for (int64_t G = 64; G <= K; G += 64) {
-                if (K % G || (G != 128 && G != 256 && G != 512 && G != 704 && G != K)) continue;
+                if (K % G || (G != 128 && G != 256 && G != 512 && G != 704 && G != 1024 && G != K)) continue;
                 for (int cold = 0; cold < 2; cold++) {   /* cold: the rows from memory, prefetched 8 k-steps ahead */
                     const int reps = cold ? (int)COLD : 1000, pf = cold ? 8 : 0;
                     ktk_amx_gemm_i8(A, ws, K, G, pk, ts, nt, C, ldc, ci, pf, 1);
@@ -475,18 +477,18 @@ static int i8(void) {
                     }
                     printf("K=%ld tokens %ld G=%ld %s: i8 gemm %.2f us (%.2f TOPS, %.2fx bf16 hot)\n", (long)K, (long)nt,
                            (long)G, cold ? "cold" : "hot ", best * 1e6, 2.0 * 32 * nt * K / best * 1e-12, bf / best);
-                    if (G != 256 && G != 704) continue;
+                    if (G != 256 && G != 704 && G != 1024) continue;
                     /* the same block as an I4 copy (the first half of these bytes as nibbles; a block is 16 K bytes),
                      * its nibbles widened 0, 1, 2 or 4 k-steps before their tile loads */
                     const uint8_t *A4 = (const uint8_t *)A;
                     for (int ahead = 0; ahead <= 4; ahead += 1 + (ahead == 2)) {
-                        ktk_amx_gemm_i4(A4, ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci, a8, pf, 1, ahead);
+                        ktk_amx_gemm_i4(A4, ws, wk, K, G, pk, ts, nt, C, ldc, ci, a8, pf, 1, ahead);
                         best = 1e30;
                         for (int rep = 0; rep < 3; rep++) {
                             double t0 = now();
                             for (int i = 0; i < reps; i++)
-                                ktk_amx_gemm_i4(A4 + (cold ? (int64_t)i * 16 * K : 0), ws, ws, K, G, pk, ts, ts, nt, C, ldc, ci,
-                                                a8, pf, 1, ahead);
+                                ktk_amx_gemm_i4(A4 + (cold ? (int64_t)i * 16 * K : 0), ws, wk + (cold ? (int64_t)i * 32 * KS : 0),
+                                                K, G, pk, ts, nt, C, ldc, ci, a8, pf, 1, ahead);
                             double dt = (now() - t0) / reps;
                             if (dt < best) best = dt;
                         }
@@ -498,7 +500,7 @@ static int i8(void) {
             }
             free(pk); free(ts); free(C); free(pb);
         }
-        free(A); free(ws); free(wt);
+        free(A); free(ws); free(wt); free(wk);
     }
     free(ci); free(a8);
     return 0;
@@ -511,7 +513,7 @@ static int pack(void) {
     float *x = aligned_alloc(64, (size_t)(T * KMAX) * 4);
     for (int64_t i = 0; i < T * KMAX; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
     int8_t *pk = aligned_alloc(64, (size_t)(64 * KMAX));
-    float *ts = malloc((size_t)(64 * KMAX / 64) * 4), *tz = malloc((size_t)(64 * KMAX / 64) * 4);
+    float *ts = malloc((size_t)(64 * KMAX / 64) * 4);
     const int64_t shapes[2][2] = {{2048, 256}, {1408, 704}};
     const float *X[48];
     uint64_t r = 88172645463325252ull;
@@ -521,14 +523,14 @@ static int pack(void) {
         for (int rep = 0; rep < 2000; rep++) {
             for (int j = 0; j < nt; j++) { r ^= r << 13; r ^= r >> 7; r ^= r << 17; X[j] = x + (int64_t)(r % (uint64_t)T) * KMAX; }
             const double t0 = now();
-            ktk_amx_pack_x_i8(X, nt, K, G, pk, ts, tz);
+            ktk_amx_pack_x_i8(X, nt, K, G, pk, ts);
             const double el = now() - t0;
             sum += el; if (el < best) best = el;
         }
         printf("pack %ld tokens x %ld (G %ld) gathered from 64 MiB: %.1f us mean, %.1f best\n", (long)nt, (long)K, (long)G,
                sum / 2000 * 1e6, best * 1e6);
     }
-    free(x); free(pk); free(ts); free(tz);
+    free(x); free(pk); free(ts);
     return 0;
 }
 
@@ -539,10 +541,10 @@ static int pack(void) {
 static int pack1(void) {
     if (!ktk_amx_pack_once_usable()) { fprintf(stderr, "pack1: the once-quantized packing needs AVX-512\n"); return 1; }
     const int64_t T = 512, K = 2048, G = 256, E = 64, nt = 48, NG = K / G;
-    float *x = aligned_alloc(64, (size_t)(T * K) * 4), *qs = malloc((size_t)(2 * T * NG) * 4);
+    float *x = aligned_alloc(64, (size_t)(T * K) * 4), *qs = malloc((size_t)(T * NG) * 4);
     for (int64_t i = 0; i < T * K; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
     int8_t *q = aligned_alloc(64, (size_t)(T * K)), *pk = aligned_alloc(64, (size_t)(E * nt * K));
-    float *ts = malloc((size_t)(E * nt * NG) * 4), *tz = malloc((size_t)(E * nt * NG) * 4);
+    float *ts = malloc((size_t)(E * nt * NG) * 4);
     uint16_t *xb = aligned_alloc(64, (size_t)(T * K) * 2), *pb = aligned_alloc(64, (size_t)(E * nt * K) * 2);
     int64_t *idx = malloc((size_t)(E * nt) * 8);
     const float **X = malloc((size_t)(E * nt) * sizeof *X);
@@ -551,13 +553,13 @@ static int pack1(void) {
     for (int rep = 0; rep < 6; rep++) {
         double t0 = now();
         for (int64_t e = 0; e < E; e++)
-            ktk_amx_pack_x_i8(X + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG, tz + e * nt * NG);
+            ktk_amx_pack_x_i8(X + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG);
         const double per = now() - t0;
         t0 = now();
-        ktk_amx_quant_rows_i8(x, K, T, K, G, q, qs, qs + T * NG);
+        ktk_amx_quant_rows_i8(x, K, T, K, G, q, qs);
         const double quant = now() - t0;
         for (int64_t e = 0; e < E; e++)
-            ktk_amx_pack_q_i8(q, qs, qs + T * NG, idx + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG, tz + e * nt * NG);
+            ktk_amx_pack_q_i8(q, qs, idx + e * nt, nt, K, G, pk + e * nt * K, ts + e * nt * NG);
         const double once = now() - t0;
         t0 = now();
         for (int64_t e = 0; e < E; e++) ktk_amx_pack_x(X + e * nt, nt, K, pb + e * nt * K);
@@ -569,7 +571,7 @@ static int pack1(void) {
         printf("pack1 (512 tokens, 64 experts x 48, K 2048): I8 (G 256) per expert %.0f us, once %.0f us (quantize %.0f); "
                "bf16 per expert %.0f us, once %.0f us\n", per * 1e6, once * 1e6, quant * 1e6, perb * 1e6, onceb * 1e6);
     }
-    free(x); free(qs); free(q); free(pk); free(ts); free(tz); free(idx); free(X); free(xb); free(pb);
+    free(x); free(qs); free(q); free(pk); free(ts); free(idx); free(X); free(xb); free(pb);
     return 0;
 }
 

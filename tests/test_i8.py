@@ -51,23 +51,49 @@ def test_copy_is_within_half_a_step_of_ggml(qt, n):
 @pytest.mark.parametrize("qt,n,group", [(QT.Q4_K, 512, 0), (QT.Q5_0, 1408, 0), (QT.Q8_0, 192, 64), (QT.BF16, 256, 0),
                                          (QT.Q6_K, 2048, 512)], ids=lambda v: getattr(v, "name", str(v)))
 def test_i4_copy_is_within_half_its_step_of_ggml(qt, n, group):
-    """I4 copies (int8_bits 4): half the I8 copy's value bytes plus a scale and a zero per row and group;
-    every value within half a step, (max - min) / 30, of GGML's, the group's minimum and maximum kept."""
+    """I4 copies (int8_bits 4), read from their layout here (native/i8.c): nibbles q + 8, an f32 scale S per
+    row and group, a sub-scale k - 1 per 64 values. S is the group's largest need / 16 (need: the step that
+    holds a sub-group unclipped, max(max / 7, -min / 8)); each value is the nearest of S k [-8, 7] to GGML's
+    (within half a step but past the clipped ends); each sub-group's k no worse in squared error than the
+    unclipped one, ceil(need / S); i8_dequant gives S * (k q)."""
     E, rows = 2, 64
     w = rand_rows(qt, E * rows, n, seed=12)
     cp = native.repack_i8(native.ExpertMatrix(int(qt), w, E, rows, n, "w"), group=group, bits=4)
-    G = group or nmoe_group(n)
+    G = group or nmoe.i8_group(n, 4)
+    assert G == (group or {512: 512, 1408: 704, 256: 256}[n])
+    NG, KS = n // G, n // 64
     es = native.i8_expert_bytes(rows, n, group, bits=4)
-    assert cp.shape == (E * es,) and es == (rows * n // 2 + rows * (n // G) * 8 + 63) // 64 * 64
-    ref = dequant(qt, w, n).reshape(E, rows, n)
+    assert cp.shape == (E * es,) and es == (rows * n // 2 + rows * NG * 4 + rows * KS + 63) // 64 * 64
+    ref = dequant(qt, w, n).reshape(E, rows, n).double()
     for e in range(E):
-        got = native.i8_dequant(cp[e * es:(e + 1) * es], rows, n, group, bits=4)
-        r = ref[e].reshape(rows, n // G, G)
-        step = (r.amax(-1) - r.amin(-1)) / 15
-        err = (got.reshape(rows, n // G, G) - r).abs()
-        assert (err <= step[..., None] * 0.5 * (1 + 1e-5) + 1e-6 * r.abs().amax(-1, keepdim=True)).all(), (qt.name, e)
-        assert torch.allclose(got.reshape(rows, n // G, G).amin(-1), r.amin(-1), rtol=1e-6, atol=1e-30)
-        assert rel_err(got, ref[e]) < 0.15
+        b = cp[e * es:(e + 1) * es]
+        nib = b[:rows * n // 2].reshape(rows // 32, KS, 16, 64).long()          # [block][ks][i][j]
+        u = torch.stack([nib & 15, nib >> 4], 2).reshape(rows // 32, KS, 32, 64)  # rows i, 16 + i
+        u = u.permute(0, 2, 1, 3).reshape(rows, n)
+        S = b[rows * n // 2:rows * n // 2 + rows * NG * 4].view(torch.float32).reshape(rows, NG).double()
+        kc = b[rows * n // 2 + rows * NG * 4:rows * n // 2 + rows * NG * 4 + rows * KS].reshape(rows // 32, KS, 32)
+        k = (kc.permute(0, 2, 1).reshape(rows, KS).long() + 1)
+        assert (kc < 16).all()
+        q = u - 8
+        step = S.repeat_interleave(G // 64, 1) * k                               # [rows, KS]
+        got = native.i8_dequant(b, rows, n, group, bits=4).double()
+        assert torch.equal(got.float(), (S.float().repeat_interleave(G, 1) * (k.repeat_interleave(64, 1) * q).float()))
+        r = ref[e]
+        sub = r.reshape(rows, KS, 64)
+        need = torch.maximum(sub.amax(-1).clamp(min=0) / 7, (-sub.amin(-1)).clamp(min=0) / 8)   # [rows, KS]
+        top = need.reshape(rows, NG, G // 64).amax(-1)
+        assert torch.allclose(S * 16, top, rtol=1e-6, atol=0)
+        st = step.repeat_interleave(64, 1)
+        nearest = (r / st).round().clamp(-8, 7)
+        assert torch.equal(q.double(), nearest)
+        inside = (r <= 7.5 * st) & (r >= -8.5 * st)
+        assert ((got - r).abs()[inside] <= st[inside] * 0.5 * (1 + 1e-6)).all(), (qt.name, e)
+        k0 = (need / S.repeat_interleave(G // 64, 1)).ceil().clamp(1, 16)
+        st0 = (S.repeat_interleave(G // 64, 1) * k0).repeat_interleave(64, 1)
+        sse = ((q * st - r) ** 2).reshape(rows, KS, 64).sum(-1)
+        sse0 = (((r / st0).round().clamp(-8, 7) * st0 - r) ** 2).reshape(rows, KS, 64).sum(-1)
+        assert (sse <= sse0 * (1 + 1e-12)).all()
+        assert rel_err(got.float(), r.float()) < 0.12
 
 
 def test_int8_bits_refusals():

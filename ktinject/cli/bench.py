@@ -71,11 +71,12 @@ def add_arguments(p) -> None:
                         "for the AMX-INT8 prefill path (cpu_experts option int8_prefill); decode still reads GGUF rows")
     g.add_argument("--int8-group", type=int, nargs="+", default=None, metavar="G",
                    help="with --int8: the copies' group sizes, one for gate/up and down alike or two (gate/up, "
-                        "down); multiples of 64 that divide the rows (default: 256 for V2-Lite's gate/up, 704 for "
-                        "its down; cpu_experts option int8_group)")
+                        "down); multiples of 64 that divide the rows, at most 1024 (default: I8 256 for V2-Lite's "
+                        "gate/up, 704 for its down; I4 1024 and 704; cpu_experts option int8_group)")
     g.add_argument("--int8-bits", type=int, choices=(8, 4), default=8,
-                   help="with --int8: 8 (I8 copies, the default) or 4 (I4 copies: 4 bits a weight with a scale "
-                        "and a zero per row and group, half the bytes, coarser; cpu_experts option int8_bits)")
+                   help="with --int8: 8 (I8 copies, the default) or 4 (I4 copies: 4 bits a weight, an integer "
+                        "sub-scale per 64 values under a scale per row and group, half the bytes, coarser; "
+                        "cpu_experts option int8_bits)")
     g.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     g.add_argument("--trace", action="store_true", help="also report where a layer's time goes: microseconds "
                    "per pool phase (quantize tokens, gate+up, quantize h, down) and until the last worker starts, "
@@ -209,8 +210,9 @@ def _int8_group_flag(args, H: int, I: int) -> tuple[int, int]:
         raise KtInjectError(f"--int8-group takes one or two sizes (gate/up, down), got {len(g)}")
     g_gu, g_dn = (g[0], g[0]) if len(g) == 1 else (g[0], g[1])
     try:
-        moe.check_i8_group(g_gu, H, f"--int8-group for gate/up (--hidden {H})")
-        moe.check_i8_group(g_dn, I, f"--int8-group for down (--inter {I})")
+        bits = getattr(args, "int8_bits", 8)
+        moe.check_i8_group(g_gu, H, f"--int8-group for gate/up (--hidden {H})", bits)
+        moe.check_i8_group(g_dn, I, f"--int8-group for down (--inter {I})", bits)
     except NativeError as exc:
         raise KtInjectError(str(exc)) from None
     return g_gu, g_dn

@@ -217,12 +217,14 @@ ENV_INT8 = "KTINJECT_AMX_INT8"
 I8_GMAX = 1024   # native/ktk.h KTK_I8_GMAX: the longest group of an I8 copy
 
 
-def i8_group(cols: int) -> int:
-    """The default group size of an I8 copy of rows of `cols` values (native/i8.c's ktk_i8_group): the
-    smallest multiple of 64 that divides cols and is at least 256, where that is at most 1024, else
-    the largest below 256 (V2-Lite: 256 for gate/up's 2048, 704 for down's 1408); -1 if cols % 64."""
+def i8_group(cols: int, bits: int = 8) -> int:
+    """The default group size of a copy of rows of `cols` values (native/i8.c), -1 if cols % 64. I8 copies
+    (ktk_i8_group): the smallest multiple of 64 that divides cols and is at least 256, where that is at most
+    1024, else the largest below 256 (V2-Lite: 256 for gate/up's 2048, 704 for down's 1408). I4 copies
+    (ktk_i4_group): the largest multiple of 64 up to 1024 that divides cols (1024 and 704): their sub-scales
+    keep the steps local, so a longer group only saves the tiles a scaling of their sums."""
     lib, _ = load()
-    return int(lib.ktk_i8_group(int(cols)))
+    return int(lib.ktk_i4_group(int(cols)) if _check_bits(bits) == 4 else lib.ktk_i8_group(int(cols)))
 
 
 def i8_groups_for(cols: int) -> list[int]:
@@ -230,17 +232,18 @@ def i8_groups_for(cols: int) -> list[int]:
     return [g for g in range(64, I8_GMAX + 1, 64) if i8_expert_bytes(32, cols, g) >= 0]
 
 
-def check_i8_group(group: int, cols: int, what: str) -> None:
+def check_i8_group(group: int, cols: int, what: str, bits: int = 8) -> None:
     """Raise a NativeError naming `what` unless `group` (0: the default) fits rows of `cols` values."""
     if isinstance(group, bool) or not isinstance(group, int):
         raise NativeError(f"{what}: int8 group size must be an integer, got {group!r}")
     if group and group not in i8_groups_for(cols):
         raise NativeError(f"{what}: int8 group size {group} does not fit rows of {cols} values: it must be a "
                           f"multiple of 64 that divides {cols}, at most {I8_GMAX} (here: "
-                          f"{', '.join(map(str, i8_groups_for(cols))) or 'none'}; 0: the default, {i8_group(cols)})")
+                          f"{', '.join(map(str, i8_groups_for(cols))) or 'none'}; 0: the default, "
+                          f"{i8_group(cols, bits)})")
 
 
-INT8_BITS = (8, 4)   # the copies' widths: I8 (int8, symmetric) and I4 (4 bits, a scale and a zero)
+INT8_BITS = (8, 4)   # the copies' widths: I8 (int8, symmetric) and I4 (4 bits, symmetric, integer sub-scales)
 
 
 def _check_bits(bits: int) -> int:
@@ -251,7 +254,7 @@ def _check_bits(bits: int) -> int:
 
 def i8_expert_bytes(rows: int, cols: int, group: int = 0, bits: int = 8) -> int:
     """Bytes of one expert's I8 copy (bits 8) or I4 copy (bits 4; native/i8.c) with groups of `group`
-    values (0: `i8_group`), or -1 where the layout does not take the shape (rows % 32, cols % 64, a
+    values (0: `i8_group(cols, bits)`), or -1 where the layout does not take the shape (rows % 32, cols % 64, a
     group that does not fit)."""
     lib, _ = load()
     fn = lib.ktk_i4_expert_bytes if _check_bits(bits) == 4 else lib.ktk_i8_expert_bytes
@@ -262,13 +265,14 @@ def repack_i8(m: ExpertMatrix, pool: Optional[Pool] = None, group: int = 0, bits
     """The experts of `m` requantized for the AMX-INT8 prefill path: a uint8 tensor of
     E * i8_expert_bytes(rows, cols, group, bits) bytes (layout in native/i8.c). bits 8: int8 per row
     and group of `group` values (0: `i8_group(cols)`) with an f32 scale each, at most half a step from
-    GGML's values; bits 4: 4 bits with a scale and a zero per row and group, at most (max - min) / 30
-    from them."""
+    GGML's values; bits 4: 4 bits, symmetric, an integer sub-scale k (1-16) per 64 values under an f32
+    scale S per row and group (0: `i8_group(cols, 4)`), each value within half its step S * k of GGML's
+    but for the ends of a range a sub-scale chose to clip (native/i8.c)."""
     m.validate()
     bits = _check_bits(bits)
     if m.layout != "gguf":
         raise NativeError(f"{m.name or 'expert matrix'}: I8 copies are made from GGUF rows, not {m.layout!r} ones")
-    check_i8_group(group, m.cols, m.name or "expert matrix")
+    check_i8_group(group, m.cols, m.name or "expert matrix", bits)
     lib, ffi = load()
     es = i8_expert_bytes(m.rows, m.cols, group, bits)
     if es < 0:
@@ -288,7 +292,7 @@ def i8_dequant(w: torch.Tensor, rows: int, cols: int, group: int = 0, bits: int 
     """One expert's I8 (or I4) copy (uint8, i8_expert_bytes(rows, cols, group, bits) bytes) to f32
     [rows, cols]: the values the AMX-INT8 tiles multiply."""
     lib, ffi = load()
-    check_i8_group(group, cols, "i8_dequant")
+    check_i8_group(group, cols, "i8_dequant", bits)
     es = i8_expert_bytes(rows, cols, group, bits)
     if w.dtype != torch.uint8 or w.dim() != 1 or not w.is_contiguous() or w.numel() != es:
         raise NativeError(f"i8_dequant: expected a contiguous uint8 tensor of {es} bytes")
@@ -334,8 +338,9 @@ class MoEKernel:
     (`int8_copies` names them). Decode keeps reading the GGUF rows (or R16 copies).
     `int8_group`: the copies' group sizes: 0 or None (`i8_group` of each), one int for gate/up and
     down alike, or a pair (gate/up, down); each must fit its rows (`check_i8_group`).
-    `int8_bits`: 8 (I8 copies) or 4 (I4 copies: half the bytes to read at prefill, 4 bits a weight
-    with a scale and a zero per row and group, coarser: see docs/native.md), the same tiles.
+    `int8_bits`: 8 (I8 copies) or 4 (I4 copies: half the bytes to read at prefill, 4 bits a weight,
+    an integer sub-scale per 64 values and a scale per row and group, coarser: see docs/native.md), the
+    same tiles.
     """
 
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
@@ -355,8 +360,8 @@ class MoEKernel:
             raise NativeError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32")
         self.n_experts, self.hidden, self.inter = E, H, I
         g_gu, g_dn = _int8_groups(int8_group)
-        check_i8_group(g_gu, H, f"int8_group for gate/up ({gate.name or 'gate'})")
-        check_i8_group(g_dn, I, f"int8_group for down ({down.name or 'down'})")
+        check_i8_group(g_gu, H, f"int8_group for gate/up ({gate.name or 'gate'})", bits)
+        check_i8_group(g_dn, I, f"int8_group for down ({down.name or 'down'})", bits)
         self.isa = isa_index(isa)
         self.pool = pool or default_pool(threads)
         for m in (gate, up, down):
@@ -413,7 +418,7 @@ class MoEKernel:
                 self.i8 = {name: repack_i8(m, self.pool, g, bits) for name, m, g in
                            (("gate", gate, g_gu), ("up", up, g_gu), ("down", down, g_dn))}
         self.int8_copies: tuple[str, ...] = tuple(self.i8)
-        self.int8_groups = (g_gu or i8_group(H), g_dn or i8_group(I)) if self.i8 else None
+        self.int8_groups = (g_gu or i8_group(H, bits), g_dn or i8_group(I, bits)) if self.i8 else None
         self.int8_bits = bits if self.i8 else None
         desc = ffi.new("ktk_moe_desc *")
         desc.gate_type, desc.up_type, desc.down_type = gate.ggml_type, up.ggml_type, down.ggml_type
