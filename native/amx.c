@@ -424,7 +424,6 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
     const uint8_t *At = j->At;
     const int8_t *b0 = j->pk + tt * KS * 1024, *b1 = b0 + KS * 1024, *b2 = b1 + KS * 1024;
     int32_t *ci = j->ci;
-#define DP(c, a, b) _tile_dpbssd(c, a, b)
     AMX_MEMORY_BARRIER();
     _tile_zero(0); _tile_zero(1);
     if (w > 1) { _tile_zero(2); _tile_zero(3); }
@@ -433,20 +432,20 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
         if (tt == 0) first_pass_step(four, j->A, j->wk, j->a8, ks, KS, j->ahead, j->pf, j->l2);
         if (w == 3) {
             _tile_loadd(6, At + ks * 2048, 64);
-            _tile_loadd(7, b0 + ks * 1024, 64); DP(0, 6, 7);
-            _tile_loadd(7, b1 + ks * 1024, 64); DP(1, 6, 7);
-            _tile_loadd(7, b2 + ks * 1024, 64); DP(2, 6, 7);
-            _tile_loadd(6, At + ks * 2048 + 1024, 64); DP(5, 6, 7);
-            _tile_loadd(7, b1 + ks * 1024, 64); DP(4, 6, 7);
-            _tile_loadd(7, b0 + ks * 1024, 64); DP(3, 6, 7);
+            _tile_loadd(7, b0 + ks * 1024, 64); _tile_dpbssd(0, 6, 7);
+            _tile_loadd(7, b1 + ks * 1024, 64); _tile_dpbssd(1, 6, 7);
+            _tile_loadd(7, b2 + ks * 1024, 64); _tile_dpbssd(2, 6, 7);
+            _tile_loadd(6, At + ks * 2048 + 1024, 64); _tile_dpbssd(5, 6, 7);
+            _tile_loadd(7, b1 + ks * 1024, 64); _tile_dpbssd(4, 6, 7);
+            _tile_loadd(7, b0 + ks * 1024, 64); _tile_dpbssd(3, 6, 7);
         } else {
             _tile_loadd(4, At + ks * 2048, 64);
             _tile_loadd(5, At + ks * 2048 + 1024, 64);
             _tile_loadd(6, b0 + ks * 1024, 64);
-            DP(0, 4, 6); DP(1, 5, 6);
+            _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 5, 6);
             if (w == 2) {
                 _tile_loadd(7, b1 + ks * 1024, 64);
-                DP(2, 4, 7); DP(3, 5, 7);
+                _tile_dpbssd(2, 4, 7); _tile_dpbssd(3, 5, 7);
             }
         }
         if (j->overlap && ks == g * j->SG && j->p_w) {   /* the sums waiting in ci into C while these products run */
@@ -469,7 +468,6 @@ KTK_AMX_TARGET static inline void ix_pass(ix_job *j, int64_t tt, int64_t w, int6
     AMX_MEMORY_BARRIER();
     if (j->overlap) { j->p_tt = tt; j->p_w = w; j->p_g = g; }
     else ix_scale(j, tt, w, g);
-#undef DP
 }
 
 /* The I8 and I4 tile GEMMs (four: I4, its nibbles at A widened into a8 in the first pass through their sub-scales
