@@ -95,12 +95,14 @@ def eager_time(fn, reps: int = 20) -> float:
 # ---- int4 ---------------------------------------------------------------------------------------
 INT4_SHAPES = [  # (label, N, K, group)
     ("lm_head 102400x2048", 102400, 2048, 128),
+    ("lm_head 102400x2048, Q4_K repack", 102400, 2048, 32),
     ("dense gate+up 21888x2048", 21888, 2048, 128),
     ("dense down 2048x10944", 2048, 10944, 64),
     ("gate 10944x2048", 10944, 2048, 128),
     ("4096x4096", 4096, 4096, 128),
     ("q_proj 3072x2048", 3072, 2048, 128),
     ("o_proj 2048x2048", 2048, 2048, 128),
+    ("o_proj 2048x2048, Q4_K repack", 2048, 2048, 32),     # GGUF Q4_0 / Q4_K blocks: groups of 32
 ]
 SWEEP = {  # rows -> extra launch configs tried with --sweep (block_n, block_k, warps, target programs, dot)
     1: [(64, 512, 8, 528, False), (16, 512, 4, 1056, False), (32, 1024, 4, 528, False)],
@@ -130,6 +132,7 @@ def bench_int4(sweep: bool) -> list[dict]:
     of it). The operator's own launch-config sweep is scripts/int4_sweep.py."""
     from .operators.kernels import int4_triton as T
     from .operators.kernels.int4_pack import dequantize, quantize, tile
+    from .operators.linear_int4 import Int4Options, _wants_tinygemm
     rows = []
     for label, n, k, group in INT4_SHAPES:
         torch.manual_seed(0)
@@ -155,6 +158,8 @@ def bench_int4(sweep: bool) -> list[dict]:
                 row["ours_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
                 row["ours_us"] = graph_time([lambda t_=t_: T.int4_gemv_tiled(x, t_, None, cfg) for t_ in tws]) * 1e6
                 row["ours_mode"] = mode
+                if _wants_tinygemm(Int4Options(), n, k, g, m, x.device):
+                    row["operator_runs"] = "tinygemm"               # linear_int4's backend auto (TINYGEMM_FASTER)
             except Exception as exc:                   # noqa: BLE001 - reported in the row, the bench goes on
                 log.warning("linear_int4's GEMV failed on %s, %d rows: %s", label, m, exc)
                 row["ours"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
@@ -401,7 +406,8 @@ def to_markdown(res: dict) -> str:
                            f"{r.get('ours', '?')} | - | - | - | - |")
                 continue
             out.append(f"| {r['shape']} | {r['bf16_MB']:.1f} | {r['batch']} | {r['bf16_us']:.1f} | {ti} | "
-                       f"{r['ours_us']:.1f} | {r['ours_mode']} | {r['speedup_vs_bf16']:.2f} | {sp} | {pu} |")
+                       f"{r['ours_us']:.1f} | {r['ours_mode']}{' (auto: tinygemm)' if r.get('operator_runs') else ''} | "
+                       f"{r['speedup_vs_bf16']:.2f} | {sp} | {pu} |")
         out.append("")
     if res.get("mla"):
         out += ["| model | context | transformers ms | ours eager ms | ours graph ms | x eager | x graph | "

@@ -62,12 +62,12 @@ def read_floor(nbytes: int, reps: int) -> tuple[float, str]:
     return best
 
 
-def shape_setup(n: int, k: int, rows: int, reps: int):
-    """A random [N, K] weight of groups of 128 in the tiled layout (pack 16) with enough copies to pass the L2,
+def shape_setup(n: int, k: int, rows: int, reps: int, group: int = 128):
+    """A random [N, K] weight of groups of `group` in the tiled layout (pack 16) with enough copies to pass the L2,
     `rows` bf16 rows of x, the fp32 reference, and the times of bf16 F.linear and of the plain read of the
     int4 bytes: (iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, how))."""
     torch.manual_seed(0)
-    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, 128)
+    iw = P.quantize(torch.randn(n, k, device="cuda") * 0.02, group)
     w0 = P.tile(iw, 16)
     wbytes = w0.qweight.numel() * 4 + 2 * w0.scales.numel() * 2
     copies = [w0] + [P.tile(iw, 16) for _ in range(max(1, -(-L2_BYTES // wbytes)) - 1)]
@@ -83,9 +83,9 @@ def shape_setup(n: int, k: int, rows: int, reps: int):
 def reference_paths(x, iw, copies, reps):
     """(seconds, name) of linear_int4's path today and of torch's tinygemm on the same weight."""
     out = [(graph_time([lambda w=w: int4_gemv_tiled(x, w) for w in copies], reps), "today (int4_gemv_tiled)")]
-    tg, _ = torch_int4(iw, 128)
+    tg, _ = torch_int4(iw, iw.group_size)
     if tg is not None:
-        tgs = [tg] + [torch_int4(iw, 128)[0] for _ in copies[1:]]
+        tgs = [tg] + [torch_int4(iw, iw.group_size)[0] for _ in copies[1:]]
         out.append((graph_time([lambda f=f: f(x) for f in tgs], reps), "tinygemm"))
     return sorted(out)
 

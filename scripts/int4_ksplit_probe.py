@@ -2,7 +2,7 @@
 """The K-split tensor-core GEMV (`int4_cuda.gemv_ksplit`, mode "ksplit") on the small and mid-size matrices,
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
-    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4]
+    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ktinject.bench_gpu import graph_time, hardware_line, read_bandwidth  # noqa: E402
-from ktinject.operators.kernels import int4_cuda as C, int4_pack as P  # noqa: E402
+from ktinject.operators.kernels import int4_cuda as C, int4_pack as P, int4_triton as T  # noqa: E402
 from int4_grid_probe import reference_paths, regs, shape_setup  # noqa: E402  (this folder)
 
 
@@ -38,6 +38,10 @@ def check_all() -> int:
         (2048, 2048, 128, 16, 16, torch.bfloat16, True, 8, 8),
         (1000, 1088, 128, 16, 9, torch.float16, False, 4, 8),
         (3000, 4096, 256, 32, 13, torch.bfloat16, False, 16, 16),
+        (2048, 2048, 32, 16, 1, torch.bfloat16, False, 8, 8),       # groups of 32 and 64: several a step
+        (2056, 1160, 32, 16, 5, torch.float16, True, 3, 6),
+        (2048, 10944, 64, 16, 4, torch.bfloat16, True, 32, 32),
+        (1000, 2048, 64, 16, 16, torch.bfloat16, False, 8, 16),
     ]
     for n, k, group, pack, rows, dt, with_bias, ks, warps in cases:
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
@@ -72,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()
@@ -80,10 +85,13 @@ def main(argv=None) -> int:
     idx = C.device_index("cuda")
     for spec in a.shapes.split(","):
         n, k = map(int, spec.split("x"))
-        iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, how) = shape_setup(n, k, a.rows, a.reps)
-        print(f"{spec} x {a.rows}: {wbytes / 1e6:.1f} MB int4; bf16 {t_bf16 * 1e6:.2f} us (x2: {t_bf16 * 5e5:.2f}, "
+        iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, how) = shape_setup(n, k, a.rows, a.reps, a.group)
+        print(f"{spec} x {a.rows}, groups of {a.group}: {wbytes / 1e6:.1f} MB int4; bf16 {t_bf16 * 1e6:.2f} us (x2: {t_bf16 * 5e5:.2f}, "
               f"x3: {t_bf16 * 1e6 / 3:.2f}); plain read {t_read * 1e6:.2f} us ({how})", flush=True)
         found = reference_paths(x, iw, copies, a.reps)
+        tri = T.class_config(a.rows, n, k)                            # the Triton kernels' config for the shape
+        found.append((graph_time([lambda w=w: T.int4_gemv_tiled(x, w, None, tri) for w in copies], a.reps),
+                      f"Triton class ({tri.mode})"))
         steps = k // 128
         rows = []
         for ks in sorted({s for s in (4, 8, 16, 32) if s <= steps}):
@@ -101,7 +109,8 @@ def main(argv=None) -> int:
                             res.append(graph_time([lambda w=w, nm=nomath: C.gemv_ksplit(
                                 x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm) for w in copies], a.reps))
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
-                        shape = C.KsplitShape(16, k // 16, ks, wps, C.ksplit_rows(a.rows), True, False, minb)
+                        shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
+                                              False, minb, groups=C.ksplit_groups(w0))
                         rows.append((res[0], res[1], ks, warps, occ, regs(shape, idx)))
                     except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
                         print(f"  ks{ks} w{warps} occ{occ}: {type(exc).__name__}: {str(exc)[:120]}")

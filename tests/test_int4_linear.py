@@ -314,14 +314,22 @@ def test_shape_classes_hold_only_triton_modes():
     assert T.tiled_config(16, 151936, 2048, 128).mode == "dot_x" and T.tiled_config(1, 4096, 2048, 128).mode == "ksplit"
     assert T.tinygemm_buckets(11008, 2048, 128) == set() and T.tinygemm_buckets(5000, 2048, 128) == set()
     # where the CUDA class cannot run (groups smaller than a tile, or no CUDA kernels) the class entry stands
-    assert T.tinygemm_buckets(11008, 2048, 32) == {1} and T.tinygemm_buckets(11008, 2048, 128, cuda_ok=False) == {1}
+    assert T.tinygemm_buckets(11008, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(11008, 2048, 128, cuda_ok=False) == {1}
     assert T.tiled_config(1, 151936, 2048, 64).mode == "fma" and T.tiled_config(1, 151936, 2048, 2048).mode == "diag"
     # one row up to 100 MB of bf16 and K <= 8192: the K-split kernel, two 128-input steps a warp
     for n, k, ks in ((5000, 2048, 8), (1536, 7168, 28), (2048, 8192, 32), (3000, 512, 2), (200, 100, 1)):
         cfg = T.tiled_config(1, n, k, 128)
         assert (cfg.mode, cfg.chunk, cfg.num_warps, cfg.pack) == ("ksplit", ks, ks, 16), (n, k)
     assert T.tiled_config(1, 2048, 16384, 128).mode == "fma" and T.tiled_config(1, 30000, 2048, 128).mode == "diag"
-    assert T.tiled_config(1, 5000, 2048, 64).mode == "rows" and T.tiled_config(2, 5000, 2048, 128).mode == "ksplit"
+    assert T.tiled_config(2, 5000, 2048, 128).mode == "ksplit"
+    # groups of 32 and 64 (several a step) take it too; 16 (a pair of slices) does not
+    assert T.tiled_config(1, 5000, 2048, 64).mode == "ksplit" and T.tiled_config(4, 5000, 2048, 32).mode == "ksplit"
+    assert T.tiled_config(1, 5000, 2048, 16).mode == "rows" and T.tiled_pack(5000, 2048, 32) == 16
+    # ... but tinygemm keeps the buckets its class entry names at groups below 128 (it measured faster there)
+    assert T.tinygemm_buckets(2048, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4, 16}
+    assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}       # (past 70 MB dot_x won at 16 rows)
+    assert T.tiled_config(16, 5000, 2048, 32).mode == "dot_x"      # (5-16 rows: the class config lost to dot_x)
+    assert T.tinygemm_buckets(2048, 2048, 128) == set() and T.tinygemm_buckets(2048, 2048, 2048) == set()
     cfg = T.tiled_config(5, 5000, 2048, 128)                       # 5-16 rows: two tiles a block
     assert (cfg.mode, cfg.chunk, cfg.num_warps, cfg.block_n) == ("ksplit", 8, 16, 32)
     assert T.tiled_config(16, 5000, 8192, 128).num_warps == 32 and T.tiled_config(16, 60000, 2048, 128).mode == "dot_x"
@@ -349,6 +357,15 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     assert "pack 16 or 32" in int4_cuda.mma_fits(P.tile(P.quantize(torch.randn(8, 256), 64), 8), 1)
     assert "one scale group" in int4_cuda.mma_fits(P.tile(P.quantize(torch.randn(8, 256), 32), 16), 1)
     assert int4_cuda.mma_fits(tw, 16) is None
+    # the K-split kernel takes groups of 32 and 64 (several a 128-input step) with pack 16, not smaller ones
+    # and not several groups a tile with pack 32 (a step there spans every slice of its tile)
+    for group, pack, groups in ((32, 16, 4), (64, 16, 2), (128, 16, 1), (256, 32, 1)):
+        g_w = P.tile(P.quantize(torch.randn(8, 512), group), pack)
+        assert int4_cuda.ksplit_fits(g_w, 4, 2, 2) is None and int4_cuda.ksplit_groups(g_w) == groups
+    assert "groups of >= 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 512), 16), 16), 1, 2, 2)
+    assert "one group a tile with pack 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 512), 64), 32),
+                                                                     1, 2, 2)
+    assert "pack 16 or 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 256), 64), 8), 1, 2, 2)
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
@@ -434,12 +451,17 @@ def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, 
     (4096, 2048, 256, 16, 4, 4, 8), (640, 1536, 128, 16, 8, 3, 6), (1536, 2048, -1, 16, 3, 8, 16),
     (777, 392, 128, 16, 5, 2, 4), (40, 2176, 128, 16, 1, 1, 2), (300, 20480, 128, 16, 1, 32, 32),
     (7168, 2048, 128, 16, 1, 5, 10), (2048, 2048, 128, 16, 16, 8, 8), (1000, 1088, 128, 16, 9, 4, 8),
-    (3000, 4096, 256, 32, 13, 16, 16)])
+    (3000, 4096, 256, 32, 13, 16, 16),
+    # groups of 32 and 64 (4 and 2 a step): ragged N, K padding past the last group (1160), a tall K (10944, the
+    # dense down), 9 and 16 rows (two mma a word's half), split and unsplit K
+    (2056, 2048, 32, 16, 1, 8, 8), (777, 1160, 32, 16, 3, 3, 6), (1000, 2048, 32, 16, 16, 8, 16),
+    (2048, 10944, 64, 16, 4, 32, 32), (640, 1536, 64, 16, 9, 1, 2), (2048, 2048, 64, 16, 1, 16, 16)])
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
 def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warps, dtype, bias):
     """The K-split tensor-core kernel (ktk_int4_ksplit): rows 1..16 (x columns of one or two mma, 2 a lane), N past the
     last 16-row tile, K padding (392, 2176), splits that do not divide the steps (17 steps in 1, 160 in 32),
-    several tiles a block, per channel, pack 16/32, bf16 and fp16, bias; and what it refuses."""
+    several tiles a block, per channel, groups of 32 and 64 (several a step), pack 16/32, bf16 and fp16, bias;
+    and what it refuses."""
     from ktinject.operators.kernels import int4_cuda
     _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps),
                             n, k, group, pack, rows, dtype, bias)

@@ -25,6 +25,7 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   fragments: per 16 weights a lane 14 unpacking instructions, one shared load and two mma) and x as B, and
   K split over the warps of a block (a few warps a 16-row tile, each a slice of K, sums added in a fixed
   order in shared memory): the small and mid-size matrices get every SM busy with all their loads in flight.
+  Groups of 32 and 64 (pack 16) too: each mma then runs on the low and on the high halves of its pairs apart.
 
 Measured (docs/gpu.md): `cuda` and `mma` reach ~2.0 TB/s on the lm_head, like the Triton kernels
 (Nsight Compute: ~190 warp instructions per 1024 weights for mma, of which its inner loop needs 36);
@@ -582,6 +583,9 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
 #define TR 16                                        // rows a tile (the mma's 16 A rows)
 #define NG8 ((MR + 7) / 8)                           // groups of 8 x rows (the 8 B columns of an mma)
+#define CH (GPS == 2 ? 2 : 1)                        // chains of mma a scale group (GPS > 1)
+#define MAGIC_LO (MAGIC & 0xFFFFu)                   // the low half of a pair only (the high half bf16 / fp16 0)
+#define MAGIC_HI (MAGIC & 0xFFFF0000u)
 #if EXACT
 #define MLIVE MR                                     // rows stored: all MR (compile-time: tighter code)
 #else
@@ -601,6 +605,12 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 // warps' sums meet in shared memory and are added in a fixed order (deterministic). MR (the rows of x
 // rounded up to 1, 2, 4, 8 or 16; rows M..MR-1 are staged as copies of row M-1 and not stored) and the
 // steps of a row are compile-time constants.
+// GPS scale groups a step (1; with pack 16, 2 for groups of 64 and 4 for groups of 32, the GGUF Q4_0 / Q4_K
+// repack): nibbles 0-3 of a word are the tile's inputs 0-63 and nibbles 4-7 its inputs 64-127, so the pair
+// (a, a + 4) of an mma mixes two groups. Then each mma runs twice, once on the low halves of the pairs (the
+// high half a bf16 zero) and once on the high halves: the first mma of a word (nibbles 0, 1 | 4, 5) and the
+// second (2, 3 | 6, 7) each give one group of 32 a half, and D is kept per group (the tensor cores have the
+// time: the weights' loads bound the kernel). X is staged per group.
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
                 const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
@@ -608,8 +618,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 {
     extern __shared__ u32 smem[];
     u32* xp = smem;                                  // [MR][KWP] x pairs
-    float* xsum = (float*)(smem + MR * KWP);         // [MR][NSTEP] sum of x over each step's inputs
-    float* part = xsum + MR * NSTEP;                 // [WARPS][TR][MR] each warp's sums (KS > 1)
+    float* xsum = (float*)(smem + MR * KWP);         // [MR][NSTEP][GPS] sum of x over each step's groups
+    float* part = xsum + MR * NSTEP * GPS;           // [WARPS][TR][MR] each warp's sums (KS > 1)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int KQ = KWC / 4;
     const int n_tiles = (N + TR - 1) / TR;
@@ -619,7 +629,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
 
     uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
-    u32 pa[SPW], pb[SPW];                            // (scale, min) of rows ra and rb, per step
+    u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
         const bool ok = nt < n_tiles && s_lo + s < NSTEP;
@@ -629,9 +639,13 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
         const int st = min(s_lo + s, NSTEP - 1);
-        const size_t go = (size_t)min(((st * 16 / P) * 8 * P) >> g_shift, NG - 1) * N;
-        pa[s] = hold ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;
-        pb[s] = hold ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+        const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
+#pragma unroll
+        for (int j = 0; j < GPS; j++) {
+            const size_t go = (size_t)min(g0 + j, NG - 1) * N;
+            pa[s][j] = hold ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;
+            pb[s][j] = hold ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+        }
     }
 
     // x pairs and step sums: 16 threads a (row of x, step), thread r of them the 8 consecutive inputs
@@ -668,9 +682,9 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 sum += to_f32(h);
             }
         }
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (ok && r == 0) xsum[m * NSTEP + st] = sum;
+#pragma unroll                                       // (per group: 16 / GPS threads, slices 2 r / GPS ..)
+        for (int off = 8 / GPS; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (ok && r % (16 / GPS) == 0) xsum[(m * NSTEP + st) * GPS + r / (16 / GPS)] = sum;
     }
     __syncthreads();
 
@@ -690,39 +704,80 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     for (int s = 0; s < SPW; s++) {
         const int st = s_lo + s;
         if (st < NSTEP) {
+#if GPS == 1
             float d[NG8][4], e[NG8][4];              // two chains of mma per group
 #pragma unroll
             for (int h = 0; h < NG8; h++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) d[h][i] = e[h][i] = 0.f;
+#else
+            float d[GPS * CH][NG8][4];               // per scale group, CH chains of mma each
+#pragma unroll
+            for (int j = 0; j < GPS * CH; j++)
+#pragma unroll
+                for (int h = 0; h < NG8; h++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) d[j][h][i] = 0.f;
+#endif
             const u32 va[4] = {wa[s].x, wa[s].y, wa[s].z, wa[s].w};
             const u32 vb[4] = {wb[s].x, wb[s].y, wb[s].z, wb[s].w};
 #pragma unroll
             for (int u = 0; u < 4; u++) {
 #if NOMATH                                           // (probe: the loads and the loop alone)
+#if GPS == 1
                 d[0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
+#else
+                d[0][0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
+#endif
                 continue;
 #endif
                 const u32 A = va[u], B = vb[u];      // (the nibble pairs' lop3s are shared by the groups)
 #pragma unroll
                 for (int h = 0; h < NG8; h++) {
                     const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
+#if GPS == 1
                     mma((u & 1) ? e[h] : d[h], (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
                         ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
                     mma((u & 1) ? e[h] : d[h], ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
                         ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
+#else
+                    const int ch = CH == 2 ? (u & 1) : 0;   // low halves: nibbles 0, 1 (| 2, 3); high: 4, 5 (| 6, 7)
+                    mma(d[0 * CH + ch][h], (A & 0xFu) | MAGIC_LO, (B & 0xFu) | MAGIC_LO,
+                        ((A >> 4) & 0xFu) | MAGIC_LO, ((B >> 4) & 0xFu) | MAGIC_LO, xv.x, xv.y);
+                    mma(d[(GPS / 2) * CH + ch][h], (A & 0xF0000u) | MAGIC_HI, (B & 0xF0000u) | MAGIC_HI,
+                        ((A >> 4) & 0xF0000u) | MAGIC_HI, ((B >> 4) & 0xF0000u) | MAGIC_HI, xv.x, xv.y);
+                    mma(d[(GPS == 4 ? 1 : 0) * CH + ch][h], ((A >> 8) & 0xFu) | MAGIC_LO, ((B >> 8) & 0xFu) | MAGIC_LO,
+                        ((A >> 12) & 0xFu) | MAGIC_LO, ((B >> 12) & 0xFu) | MAGIC_LO, xv.z, xv.w);
+                    mma(d[(GPS == 4 ? 3 : 1) * CH + ch][h], ((A >> 8) & 0xF0000u) | MAGIC_HI,
+                        ((B >> 8) & 0xF0000u) | MAGIC_HI, ((A >> 12) & 0xF0000u) | MAGIC_HI,
+                        ((B >> 12) & 0xF0000u) | MAGIC_HI, xv.z, xv.w);
+#endif
                 }
             }
 #pragma unroll
             for (int h = 0; h < NG8; h++) {
                 if (8 * h + 2 * c < MR) {
-                    const float X0 = xsum[m0[h] * NSTEP + st], X1 = xsum[m1[h] * NSTEP + st];
-                    const float Sa = h2f((u16)(pa[s] & 0xFFFFu)), Ma = h2f((u16)(pa[s] >> 16));
-                    const float Sb = h2f((u16)(pb[s] & 0xFFFFu)), Mb = h2f((u16)(pb[s] >> 16));
-                    acc[h][0] += Sa * (d[h][0] + e[h][0] - MAGIC_V * X0) + Ma * X0;
-                    acc[h][1] += Sa * (d[h][1] + e[h][1] - MAGIC_V * X1) + Ma * X1;
-                    acc[h][2] += Sb * (d[h][2] + e[h][2] - MAGIC_V * X0) + Mb * X0;
-                    acc[h][3] += Sb * (d[h][3] + e[h][3] - MAGIC_V * X1) + Mb * X1;
+#pragma unroll
+                    for (int j = 0; j < GPS; j++) {
+                        const float X0 = xsum[(m0[h] * NSTEP + st) * GPS + j], X1 = xsum[(m1[h] * NSTEP + st) * GPS + j];
+                        const float Sa = h2f((u16)(pa[s][j] & 0xFFFFu)), Ma = h2f((u16)(pa[s][j] >> 16));
+                        const float Sb = h2f((u16)(pb[s][j] & 0xFFFFu)), Mb = h2f((u16)(pb[s][j] >> 16));
+#if GPS == 1
+                        const float D0 = d[h][0] + e[h][0], D1 = d[h][1] + e[h][1];
+                        const float D2 = d[h][2] + e[h][2], D3 = d[h][3] + e[h][3];
+#else
+                        float D0 = 0.f, D1 = 0.f, D2 = 0.f, D3 = 0.f;
+#pragma unroll
+                        for (int q = 0; q < CH; q++) {
+                            D0 += d[j * CH + q][h][0]; D1 += d[j * CH + q][h][1];
+                            D2 += d[j * CH + q][h][2]; D3 += d[j * CH + q][h][3];
+                        }
+#endif
+                        acc[h][0] += Sa * (D0 - MAGIC_V * X0) + Ma * X0;
+                        acc[h][1] += Sa * (D1 - MAGIC_V * X1) + Ma * X1;
+                        acc[h][2] += Sb * (D2 - MAGIC_V * X0) + Mb * X0;
+                        acc[h][3] += Sb * (D3 - MAGIC_V * X1) + Mb * X1;
+                    }
                 }
             }
         }
@@ -824,7 +879,7 @@ def source(shape) -> str:
     then the kernel."""
     if isinstance(shape, KsplitShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
-                  "EXACT": int(shape.exact),
+                  "EXACT": int(shape.exact), "GPS": shape.groups,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
@@ -908,7 +963,9 @@ def _self_test(idx: int) -> str | None:
                      lambda x_, t_: gemv_diag(x_, t_, None, warps=3, batch=2, ctas_per_sm=1)),
                     ("diag one-row", (40, 2176), 128, 1,
                      lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1)),
-                    ("ksplit", (200, 1160), 128, 3, lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))):
+                    ("ksplit", (200, 1160), 128, 3, lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6)),
+                    ("ksplit, groups of 32", (200, 1160), 32, 3,
+                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))):
                 iw = int4_pack.quantize(torch.randn(n, k, generator=g) * 0.05, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
                 x = torch.randn(rows, k, generator=g).to(f"cuda:{idx}", torch.bfloat16)
@@ -1147,11 +1204,27 @@ class KsplitShape:
     min_blocks: int = 1   # __launch_bounds__ minimum blocks per SM (caps the registers a thread takes)
     nomath: bool = False  # (probe: the loads and the loop only, no unpacking or mma)
     exact: bool = True    # the call's rows are `rows` (else fewer: the staging clamps its row index)
+    groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
 
 
-def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int) -> int:
-    """Shared memory of ktk_int4_ksplit: x pairs and step sums, then (ksplit > 1) each warp's 16 x m sums."""
-    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) + (warps * 16 * m if ksplit > 1 else 0)) * 4
+def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1) -> int:
+    """Shared memory of ktk_int4_ksplit: x pairs and the steps' group sums, then (ksplit > 1) each warp's 16 x m
+    sums."""
+    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + (warps * 16 * m if ksplit > 1 else 0)) * 4
+
+
+def ksplit_groups(w) -> int:
+    """Scale groups a 16-word step of `w` holds in ktk_int4_ksplit (1, 2 or 4); a ValueError where it takes none."""
+    from .int4_triton import tiled_groups
+    per_tile = tiled_groups(w)[0]
+    if w.pack % 16:
+        raise ValueError(f"it needs pack 16 or 32, the weight has {w.pack}")
+    if per_tile == 1:
+        return 1
+    if w.pack == 16 and per_tile in (2, 4):
+        return per_tile
+    raise ValueError(f"it needs groups of >= 32 inputs, and one group a tile with pack 32 (group size "
+                     f"{w.group_size}, pack {w.pack})")
 
 
 def ksplit_launch(w, ksplit: int, warps: int, occupancy: int = 32) -> tuple[int, int, int, int]:
@@ -1176,18 +1249,22 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
     memory) (None when it can)."""
     if not 1 <= m <= KSPLIT_MAX_ROWS:
         return f"it takes 1..{KSPLIT_MAX_ROWS} rows, got {m}"
-    why = mma_fits(w, m)
-    if why is None and device_index is not None:
+    try:
+        groups = ksplit_groups(w)
+    except ValueError as exc:
+        return str(exc)
+    if device_index is not None:
         ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps))
-        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks) > smem_limit(device_index):
-            why = f"{m} rows of {w.in_features} inputs do not fit in shared memory"
-    return why
+        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups) > smem_limit(device_index):
+            return f"{m} rows of {w.in_features} inputs do not fit in shared memory"
+    return None
 
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
-    or 32 and one group per tile; [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a slice of K
+    (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
+    slice of K
     (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch bound
     asks for."""
     from .int4_triton import tiled_groups
@@ -1201,9 +1278,10 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
     ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy)
     mr = ksplit_rows(m)
-    smem = ksplit_shared_bytes(mr, kw, warps, ks)
+    groups = ksplit_groups(w)
+    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups)
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, x.dtype == torch.bfloat16, bias is not None, min_blocks,
-                        nomath, m == mr)
+                        nomath, m == mr, groups)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,

@@ -863,7 +863,10 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     (102400, 2048, 128, 1): TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),   # 40.4-41.8 / 117.5-129.7 / 61.8-64.4
     (102400, 2048, 128, 4): TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16),   # 58.6 / 113.1 / 85.8 (cp.async ring; 66.8-71.4 without)
     (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
-    (2048, 10944, 64, 1): TiledConfig("fma", block_n=128, num_warps=4, target_programs=528, pack=32),   # 11.9 / 16.9-17.9 / rejects K
+    # the dense down (K = 10944, groups of 64: two a step), measured on an H100 on 2026-12-06
+    # (scripts/int4_ksplit_probe.py --group 64 [--rows 4], thirty-first session): us ours / bf16 / the config before
+    (2048, 10944, 64, 1): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 13.28 / 20.28 / 13.13 (fma, pack 32)
+    (2048, 10944, 64, 4): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 15.87 / 20.76 / 34.25 (dot_x)
     # one row, K split (ksplit): measured on the H200 on 2026-12-04 (scripts/int4_ksplit_probe.py, twentieth
     # session, device run 1): us ours / bf16 / tinygemm (the config before: us)
     (21888, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 12.11 / 25.40 / 15.28 (diag 12.63)
@@ -883,7 +886,6 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     (21888, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=16, chunk=8, pack=16),   # 33.36 / 27.84 / 53.42 (dot_x 36.38); 8 rows 21.88 / 26.72 / 32.31
     (2048, 2048, 128, 4): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 4.12 / 6.19 / 4.77 (dot_x 6.33)
     (2048, 2048, 128, 16): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 16 rows 7.19 / 6.15 / 7.55 (dot_x 7.02); 8 rows 4.84 / 6.21 / 5.56 (dot_x 6.74)
-    (2048, 2048, 32, 1): TiledConfig("rows", block_n=4, num_warps=4, pack=16),   # 5.9 / 6.3 / 4.5
     (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / rejects per-channel
 }
 
@@ -925,6 +927,7 @@ CUDA_CLASS_MAX_K = 2048
 # KSPLIT_CLASS_MAX_K bound where it was measured and where a block stays within 32 warps.
 KSPLIT_CLASS_MAX_MB = 100.0
 KSPLIT_CLASS_MAX_K = 8192
+KSPLIT_MIN_GROUP = 32       # the smallest group it takes (4 a step: the GGUF Q4_0 / Q4_K repack's)
 
 
 def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
@@ -936,6 +939,16 @@ def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
+# With groups below this size tinygemm runs at every rows bucket where it can (bf16, K % 128 == 0): measured on an
+# H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 [--rows 4|16], thirty-first session), us of the
+# best K-split config against tinygemm's at groups of 32: one row 2048 x 2048 4.59 / 4.37, 3072 x 2048 5.88 /
+# 4.81, 4096 x 4096 10.29 / 8.00, 10944 x 2048 12.56 / 10.85; four rows 2048 x 2048 5.71 / 4.46, 4096 x 4096
+# 11.47 / 10.11; 16 rows 2048 x 2048 8.37 / 7.88 (dot_x 10.47), 4096 x 4096 21.22 / 22.99 (dot_x 30.35; the
+# K-split config there needs 128 registers a thread, which the class does not give it). Groups of 64 on
+# 2048 x 2048: one row 3.89 / 3.94, 16 rows 7.69 / 7.45. The 102400 x 2048 lm_head at groups of 32
+# (`python -m ktinject.bench_gpu --only int4`): 1 row tinygemm 78.2 against fma's 86.7, 4 rows 91.3 / 216.3 (dot_x),
+# 16 rows 238.3 / 222.5 (dot_x): there tinygemm stays out of the 16-rows bucket.
+TINYGEMM_SMALL_GROUPS = 128
 TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1-16 rows: 2026-12-04
     (3072, 2048): {1, 4},        # (ties: 3.99-4.03 us against ksplit's 4.05-4.07 at one row, 5.33 / 5.38 at four)
     24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row before the
@@ -945,10 +958,15 @@ TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 
 def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = True) -> set:
     """Rows buckets in which tinygemm runs for an [N, K] weight of `group` under backend auto (exact shape
     first). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
-    there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...)."""
+    there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...). With groups
+    smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows, and 5-16 up
+    to 70 MB of bf16: it beat ours there on every shape measured (where it cannot run, the K-split kernel does at
+    1-4 rows)."""
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
         return set(hit)
+    if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
+        return {1, 4, 16} if shape_class(n, k) <= ROWS_CLASS_MAX_MB else {1, 4}
     return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ())
             if not (cuda_ok and cuda_class_config(b, n, k, group) is not None)}
 
@@ -974,8 +992,10 @@ def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> Tiled
     """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class):
     None too where the group is smaller than a tile (8 x pack inputs), which the tensor-core kernels refuse."""
     if k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB:
-        cfg = ksplit_class_config(k, rows_bucket(m))
-        return cfg if group is None or group >= min(k, 8 * cfg.pack) else None
+        cfg = ksplit_class_config(k, rows_bucket(m))   # (pack 16: groups of 32 and 64 too, several a step)
+        if group is not None and group < min(k, 128) and rows_bucket(m) == 16:
+            return None        # several groups a step at 5-16 rows: its class config lost to dot_x (13.2 / 10.5 us)
+        return cfg if group is None or group >= min(k, KSPLIT_MIN_GROUP) else None
     if k <= CUDA_CLASS_MAX_K and n * k * 2 / 1e6 >= CUDA_CLASS_MIN_MB:
         cfg = CUDA_CLASS.get(rows_bucket(m))
         if cfg is not None and (group is None or group >= min(k, 8 * cfg.pack)):
