@@ -103,7 +103,7 @@ static int check_ix(int bits) {
         for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
             const int t = types[ti];
             const int64_t n = ns[ni][0], rb = ktk_row_bytes(t, n), es = XB(R, n, ns[ni][1]);
-            const int64_t G = ns[ni][1] ? ns[ni][1] : bits == 4 ? ktk_i4_group(n) : ktk_i8_group(n);
+            const int64_t G = ns[ni][1] ? ns[ni][1] : ktk_ix_group(n, bits);
             if (rb < 0) continue;
             uint8_t *rows = malloc((size_t)(E * R * rb)), *cp = aligned_alloc(64, (size_t)(E * es));
             float *w = malloc((size_t)(R * n) * 4), *wq = malloc((size_t)(R * n) * 4), *x = malloc((size_t)(48 * n) * 4);

@@ -61,10 +61,12 @@ int64_t ktk_i4_group(int64_t n) {
     return 64;
 }
 
+int64_t ktk_ix_group(int64_t n, int bits) { return bits == 4 ? ktk_i4_group(n) : ktk_i8_group(n); }
+
 /* G itself (0: the default of the width), or -1 where it does not fit n */
 static int64_t group_for(int64_t n, int64_t G, int bits) {
     if (n <= 0 || n % 64) return -1;
-    if (G == 0) return bits == 4 ? ktk_i4_group(n) : ktk_i8_group(n);
+    if (G == 0) return ktk_ix_group(n, bits);
     return G >= 64 && G <= KTK_I8_GMAX && G % 64 == 0 && n % G == 0 ? G : -1;
 }
 

@@ -159,6 +159,7 @@ int ktk_i8_dequant(const uint8_t *w, int64_t rows, int64_t n, int64_t G, float *
  * scale per row and group (layout in i8.c; default group ktk_i4_group(n): the longest up to KTK_I8_GMAX that
  * divides n), for the same tiles (AMX-INT8, the nibbles widened to bytes in L1). */
 int64_t ktk_i4_group(int64_t n);
+int64_t ktk_ix_group(int64_t n, int bits);   /* the default group of the width: bits 4 or 8 */
 int64_t ktk_i4_expert_bytes(int64_t rows, int64_t n, int64_t G);
 int ktk_i4_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
                   int64_t rows, int64_t n, int64_t G, uint8_t *dst);

@@ -151,8 +151,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->i4 = d->i8_bits == 4;
         m->i8_es_gu = d->gate_i8 ? ix_expert_bytes(d->i8_bits, d->inter, d->hidden, d->gate_i8_group) : 0;
         m->i8_es_dn = d->down_i8 ? ix_expert_bytes(d->i8_bits, d->hidden, d->inter, d->down_i8_group) : 0;
-        m->i8_g_gu = d->gate_i8_group ? d->gate_i8_group : m->i4 ? ktk_i4_group(d->hidden) : ktk_i8_group(d->hidden);
-        m->i8_g_dn = d->down_i8_group ? d->down_i8_group : m->i4 ? ktk_i4_group(d->inter) : ktk_i8_group(d->inter);
+        m->i8_g_gu = d->gate_i8_group ? d->gate_i8_group : ktk_ix_group(d->hidden, m->i4 ? 4 : 8);
+        m->i8_g_dn = d->down_i8_group ? d->down_i8_group : ktk_ix_group(d->inter, m->i4 ? 4 : 8);
         m->cnt = calloc((size_t)E, sizeof(int64_t)); m->off = calloc((size_t)E + 1, sizeof(int64_t));
         m->act = calloc((size_t)E, sizeof(int64_t)); m->tile_list = calloc((size_t)E, sizeof(int64_t));
         m->plain_list = calloc((size_t)E, sizeof(int64_t));

@@ -224,7 +224,7 @@ def i8_group(cols: int, bits: int = 8) -> int:
     (ktk_i4_group): the largest multiple of 64 up to 1024 that divides cols (1024 and 704): their sub-scales
     keep the steps local, so a longer group only saves the tiles a scaling of their sums."""
     lib, _ = load()
-    return int(lib.ktk_i4_group(int(cols)) if _check_bits(bits) == 4 else lib.ktk_i8_group(int(cols)))
+    return int(lib.ktk_ix_group(int(cols), _check_bits(bits)))
 
 
 def i8_groups_for(cols: int) -> list[int]:
