@@ -15,17 +15,20 @@
  *   /tmp/amx_parts data [K]     (gemm on rows of different data; the layer's item sequence on one thread)
  *   /tmp/amx_parts i8           (the AMX-INT8 GEMM of I8 copies by K, group size and tokens, hot and
  *                                cold, beside the bf16 GEMM of the same block)
+ *   /tmp/amx_parts conc [threads ...]  (the I4 GEMM on every thread at once, hot and from memory)
  *   /tmp/amx_parts pack         (the INT8 token packing, tokens gathered from 64 MiB; no AMX needed)
  *   /tmp/amx_parts pack1        (a layer's gate/up token packing, per expert or the tokens quantized once; no AMX)
  *   /tmp/amx_parts sums         (a down item's weighted sums into the output rows or a compact block; no AMX)
  *   /tmp/amx_parts stream       (one core streaming BF16 blocks: rows in place against tile-major copies)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
+#define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc") */
 #include "ktk_int.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <time.h>
 
@@ -506,6 +509,83 @@ static int i8(void) {
     return 0;
 }
 
+/* "conc [threads ...]": ktk_amx_gemm_i4 (K 2048, G 1024, 48 tokens, widened 2 k-steps ahead) on every thread at once,
+ * each pinned to its own CPU with its own buffers: hot (one block again and again, in L1/L2) and cold (a fresh
+ * block of the thread's own 64 MiB set each call, prefetched 8 k-steps ahead, as the layer reads its rows).
+ * Per thread count, each thread's mean time a call (median and worst over the threads) and the cold rows'
+ * aggregate GB/s: does a block slow down when every core runs them, hot or from memory? */
+typedef struct {
+    int cpu, cold, iters;
+    pthread_barrier_t *bar;
+    double us;
+} conc_arg;
+
+static void *conc_worker(void *p) {
+    conc_arg *a = p;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(a->cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    const int64_t K = 2048, G = 1024, KS = K / 64, NG = K / G, nt = 48, ntt = 3, ldc = 48;
+    const int64_t nb = a->cold ? 2048 : 1, bb = 16 * K;          /* blocks in the set, nibble bytes a block */
+    uint8_t *A = aligned_alloc(64, (size_t)(bb * nb)), *wk = aligned_alloc(64, (size_t)(32 * KS * nb));
+    for (int64_t i = 0; i < bb * nb; i++) A[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
+    for (int64_t i = 0; i < 32 * KS * nb; i++) wk[i] = (uint8_t)((i * 37) % 16);
+    float *ws = aligned_alloc(64, 32 * NG * 4), *ts = aligned_alloc(64, ntt * KS * 16 * 4), *C = aligned_alloc(64, 32 * ldc * 4);
+    for (int64_t i = 0; i < 32 * NG; i++) ws[i] = 1e-3f;
+    for (int64_t i = 0; i < ntt * KS * 16; i++) ts[i] = 1e-2f;
+    int8_t *pk = aligned_alloc(64, ntt * KS * 1024);
+    for (int64_t i = 0; i < ntt * KS * 1024; i++) pk[i] = (int8_t)((i * 7919) % 255 - 127);
+    int32_t *ci = aligned_alloc(64, 6144);
+    uint8_t *a8 = aligned_alloc(64, 32 * 2048);
+    const int pf = a->cold ? 8 : 0;
+    ktk_amx_gemm_i4(A, ws, wk, K, G, pk, ts, nt, C, ldc, ci, a8, pf, 1, 2);
+    pthread_barrier_wait(a->bar);
+    const double t0 = now();
+    for (int i = 0; i < a->iters; i++) {
+        const int64_t b = a->cold ? i % nb : 0;
+        ktk_amx_gemm_i4(A + b * bb, ws, wk + b * 32 * KS, K, G, pk, ts, nt, C, ldc, ci, a8, pf, 1, 2);
+    }
+    a->us = (now() - t0) / a->iters * 1e6;
+    free(A); free(wk); free(ws); free(ts); free(C); free(pk); free(ci); free(a8);
+    return NULL;
+}
+
+static int cmp_double(const void *x, const void *y) {
+    const double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+static int conc(int argc, char **argv) {
+    int counts[16], nc = 0;
+    for (int i = 2; i < argc && nc < 16; i++) counts[nc++] = atoi(argv[i]);
+    if (!nc) { counts[0] = 1; counts[1] = 8; counts[2] = 15; counts[3] = 16; nc = 4; }
+    for (int ci = 0; ci < nc; ci++) {
+        const int n = counts[ci];
+        if (n < 1 || n > 256) continue;
+        for (int cold = 0; cold < 2; cold++) {
+            pthread_t th[256];
+            conc_arg args[256];
+            pthread_barrier_t bar;
+            pthread_barrier_init(&bar, NULL, (unsigned)n);
+            for (int t = 0; t < n; t++) {
+                args[t] = (conc_arg){.cpu = t, .cold = cold, .iters = cold ? 8192 : 20000, .bar = &bar};
+                pthread_create(&th[t], NULL, conc_worker, &args[t]);
+            }
+            double us[256];
+            for (int t = 0; t < n; t++) { pthread_join(th[t], NULL); us[t] = args[t].us; }
+            pthread_barrier_destroy(&bar);
+            qsort(us, (size_t)n, sizeof us[0], cmp_double);
+            const double med = us[n / 2], gbps = cold ? n * (16.0 * 2048 + 32 * 32) / med * 1e-3 : 0;
+            printf("conc %2d threads %s: i4 gemm %.2f us a call (median of the threads; %.2f-%.2f)%s", n,
+                   cold ? "cold" : "hot ", med, us[0], us[n - 1], cold ? "" : "\n");
+            if (cold) printf(", rows %.1f GB/s together\n", gbps);
+            fflush(stdout);
+        }
+    }
+    return 0;
+}
+
 /* pack: the INT8 token packing of 48 tokens (K 2048, G 256; K 1408, G 704) gathered at random from 64 MiB of
  * tokens, as a batch-512 layer's experts take theirs (no AMX needed; run it with KTINJECT_PACK_PREFETCH=0 and 1) */
 static int pack(void) {
@@ -657,6 +737,7 @@ int main(int argc, char **argv) {
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
+    if (argc > 1 && !strcmp(argv[1], "conc")) return conc(argc, argv);
     if (argc > 1 && !strcmp(argv[1], "stream")) return stream();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
