@@ -328,6 +328,7 @@ def test_shape_classes_hold_only_triton_modes():
     # ... but tinygemm keeps the buckets its class entry names at groups below 128 (it measured faster there)
     assert T.tinygemm_buckets(2048, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4, 16}
     assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}       # (past 70 MB dot_x won at 16 rows)
+    assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
     assert T.tiled_config(16, 5000, 2048, 32).mode == "dot_x"      # (5-16 rows: the class config lost to dot_x)
     assert T.tinygemm_buckets(2048, 2048, 128) == set() and T.tinygemm_buckets(2048, 2048, 2048) == set()
     cfg = T.tiled_config(5, 5000, 2048, 128)                       # 5-16 rows: two tiles a block

@@ -937,8 +937,6 @@ def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
     tiles = 2 if bucket == 16 and 2 * ks <= 32 else 1
     return TiledConfig("ksplit", block_n=16 * tiles, num_warps=ks * tiles, chunk=ks, pack=16)
 
-# Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
-# first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
 # With groups below this size tinygemm runs at every rows bucket where it can (bf16, K % 128 == 0): measured on an
 # H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 [--rows 4|16], thirty-first session), us of the
 # best K-split config against tinygemm's at groups of 32: one row 2048 x 2048 4.59 / 4.37, 3072 x 2048 5.88 /
@@ -949,6 +947,10 @@ def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
 # (`python -m ktinject.bench_gpu --only int4`): 1 row tinygemm 78.2 against fma's 86.7, 4 rows 91.3 / 216.3 (dot_x),
 # 16 rows 238.3 / 222.5 (dot_x): there tinygemm stays out of the 16-rows bucket.
 TINYGEMM_SMALL_GROUPS = 128
+TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (the lm_head's 420 MB: dot_x at 16 rows)
+
+# Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
+# first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
 TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1-16 rows: 2026-12-04
     (3072, 2048): {1, 4},        # (ties: 3.99-4.03 us against ksplit's 4.05-4.07 at one row, 5.33 / 5.38 at four)
     24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row before the
@@ -956,17 +958,17 @@ TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 
 
 
 def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = True) -> set:
-    """Rows buckets in which tinygemm runs for an [N, K] weight of `group` under backend auto (exact shape
-    first). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
+    """Rows buckets in which tinygemm runs for an [N, K] weight of `group` under backend auto (small groups first,
+    then the exact shape, then its class). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
     there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...). With groups
     smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows, and 5-16 up
     to 70 MB of bf16: it beat ours there on every shape measured (where it cannot run, the K-split kernel does at
     1-4 rows)."""
+    if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:     # (the exact shapes: groups of 128)
+        return {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
         return set(hit)
-    if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
-        return {1, 4, 16} if shape_class(n, k) <= ROWS_CLASS_MAX_MB else {1, 4}
     return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ())
             if not (cuda_ok and cuda_class_config(b, n, k, group) is not None)}
 
@@ -990,7 +992,8 @@ def class_config(m: int, n: int, k: int) -> TiledConfig:
 
 def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> TiledConfig | None:
     """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class):
-    None too where the group is smaller than a tile (8 x pack inputs), which the tensor-core kernels refuse."""
+    None too where the kernel refuses the group (ksplit: below 32; diag: below a tile, 8 x pack inputs), and at
+    5-16 rows with several groups a 128-input step (there the class config lost to dot_x)."""
     if k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB:
         cfg = ksplit_class_config(k, rows_bucket(m))   # (pack 16: groups of 32 and 64 too, several a step)
         if group is not None and group < min(k, 128) and rows_bucket(m) == 16:
