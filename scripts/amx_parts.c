@@ -529,15 +529,22 @@ static void *conc_worker(void *p) {
     const int64_t K = 2048, G = 1024, KS = K / 64, NG = K / G, nt = 48, ntt = 3, ldc = 48;
     const int64_t nb = a->cold ? 2048 : 1, bb = 16 * K;          /* blocks in the set, nibble bytes a block */
     uint8_t *A = aligned_alloc(64, (size_t)(bb * nb)), *wk = aligned_alloc(64, (size_t)(32 * KS * nb));
-    for (int64_t i = 0; i < bb * nb; i++) A[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
-    for (int64_t i = 0; i < 32 * KS * nb; i++) wk[i] = (uint8_t)((i * 37) % 16);
     float *ws = aligned_alloc(64, 32 * NG * 4), *ts = aligned_alloc(64, ntt * KS * 16 * 4), *C = aligned_alloc(64, 32 * ldc * 4);
-    for (int64_t i = 0; i < 32 * NG; i++) ws[i] = 1e-3f;
-    for (int64_t i = 0; i < ntt * KS * 16; i++) ts[i] = 1e-2f;
     int8_t *pk = aligned_alloc(64, ntt * KS * 1024);
-    for (int64_t i = 0; i < ntt * KS * 1024; i++) pk[i] = (int8_t)((i * 7919) % 255 - 127);
     int32_t *ci = aligned_alloc(64, 6144);
     uint8_t *a8 = aligned_alloc(64, 32 * 2048);
+    if (!A || !wk || !ws || !ts || !C || !pk || !ci || !a8) {   /* still meet the others at the barrier */
+        fprintf(stderr, "conc: thread %d could not allocate its buffers\n", a->cpu);
+        pthread_barrier_wait(a->bar);
+        a->us = -1;
+        free(A); free(wk); free(ws); free(ts); free(C); free(pk); free(ci); free(a8);
+        return NULL;
+    }
+    for (int64_t i = 0; i < bb * nb; i++) A[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
+    for (int64_t i = 0; i < 32 * KS * nb; i++) wk[i] = (uint8_t)((i * 37) % 16);
+    for (int64_t i = 0; i < 32 * NG; i++) ws[i] = 1e-3f;
+    for (int64_t i = 0; i < ntt * KS * 16; i++) ts[i] = 1e-2f;
+    for (int64_t i = 0; i < ntt * KS * 1024; i++) pk[i] = (int8_t)((i * 7919) % 255 - 127);
     const int pf = a->cold ? 8 : 0;
     ktk_amx_gemm_i4(A, ws, wk, K, G, pk, ts, nt, C, ldc, ci, a8, pf, 1, 2);
     pthread_barrier_wait(a->bar);
@@ -570,11 +577,16 @@ static int conc(int argc, char **argv) {
             pthread_barrier_init(&bar, NULL, (unsigned)n);
             for (int t = 0; t < n; t++) {
                 args[t] = (conc_arg){.cpu = t, .cold = cold, .iters = cold ? 8192 : 20000, .bar = &bar};
-                pthread_create(&th[t], NULL, conc_worker, &args[t]);
+                if (pthread_create(&th[t], NULL, conc_worker, &args[t])) {   /* the barrier would wait for it */
+                    fprintf(stderr, "conc: could not start thread %d of %d\n", t, n);
+                    exit(1);
+                }
             }
             double us[256];
-            for (int t = 0; t < n; t++) { pthread_join(th[t], NULL); us[t] = args[t].us; }
+            int failed = 0;
+            for (int t = 0; t < n; t++) { pthread_join(th[t], NULL); us[t] = args[t].us; failed |= us[t] < 0; }
             pthread_barrier_destroy(&bar);
+            if (failed) { fprintf(stderr, "conc: %d threads: a thread could not allocate its buffers\n", n); return 1; }
             qsort(us, (size_t)n, sizeof us[0], cmp_double);
             const double med = us[n / 2], gbps = cold ? n * (16.0 * 2048 + 32 * 32) / med * 1e-3 : 0;
             printf("conc %2d threads %s: i4 gemm %.2f us a call (median of the threads; %.2f-%.2f)%s", n,

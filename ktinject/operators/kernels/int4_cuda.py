@@ -682,7 +682,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 sum += to_f32(h);
             }
         }
-#pragma unroll                                       // (per group: 16 / GPS threads, slices 2 r / GPS ..)
+#pragma unroll                                       // (a group's sum: its 16 / GPS threads, 8 / GPS slices)
         for (int off = 8 / GPS; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (ok && r % (16 / GPS) == 0) xsum[(m * NSTEP + st) * GPS + r / (16 / GPS)] = sum;
     }
@@ -1264,9 +1264,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
                 occupancy: int = 32, nomath: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
-    slice of K
-    (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch bound
-    asks for."""
+    slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
+    bound asks for."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
