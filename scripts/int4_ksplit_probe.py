@@ -2,13 +2,12 @@
 """The K-split tensor-core GEMV (`int4_cuda.gemv_ksplit`, mode "ksplit") on the small and mid-size matrices,
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
-    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32] [--bulk]
+    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
 over a grid of (ksplit, warps a block, occupancy), each config as it is and with its unpacking and mma
-removed (`nomath`), with the registers a thread takes. `--bulk` (Hopper): the grid of the bulk-copy ring instead
-(warps a tile, ring stages, blocks an SM).
+removed (`nomath`), with the registers a thread takes.
 """
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from int4_grid_probe import reference_paths, regs, shape_setup  # noqa: E402  (t
 def check_all() -> int:
     bad = 0
     g = torch.Generator(device="cpu").manual_seed(3)
-    bulk = torch.cuda.get_device_capability() >= (9, 0)
-    cases = [  # (n, k, group, pack, rows, dtype, bias, ksplit, warps[, stages of the bulk ring, blocks an SM])
+    cases = [  # (n, k, group, pack, rows, dtype, bias, ksplit, warps)
         (2048, 2048, 128, 16, 1, torch.bfloat16, False, 16, 16),
         (2056, 2048, 128, 16, 1, torch.bfloat16, True, 8, 16),
         (1000, 4096, 256, 32, 2, torch.bfloat16, False, 16, 16),
@@ -44,16 +42,8 @@ def check_all() -> int:
         (2056, 1160, 32, 16, 5, torch.float16, True, 3, 6),
         (2048, 10944, 64, 16, 4, torch.bfloat16, True, 32, 32),
         (1000, 2048, 64, 16, 16, torch.bfloat16, False, 8, 16),
-    ] + ([                                                            # the bulk ring: ragged N, a few rounds a block
-        (102400 // 8 + 5, 2048, 128, 16, 1, torch.bfloat16, False, 8, 8, 4, 2),
-        (21888, 2048, 128, 16, 1, torch.bfloat16, True, 16, 16, 3, 1),
-        (2056, 1160, 32, 16, 5, torch.float16, True, 4, 4, 2, 4),
-        (3000, 4096, 256, 32, 5, torch.bfloat16, False, 8, 8, 2, 1),
-        (1000, 10944, 64, 16, 1, torch.bfloat16, True, 8, 8, 2, 1),
-        (40, 2176, 128, 16, 1, torch.float16, False, 2, 2, 5, 1),
-    ] if bulk else [])
-    for n, k, group, pack, rows, dt, with_bias, ks, warps, *ring in cases:
-        kw = dict(stages=ring[0], ctas_per_sm=ring[1]) if ring else {}
+    ]
+    for n, k, group, pack, rows, dt, with_bias, ks, warps in cases:
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
         tw = P.tile(iw, pack).to("cuda")
         x = torch.randn(rows, k, generator=g).to("cuda", dt)
@@ -62,35 +52,21 @@ def check_all() -> int:
         if b is not None:
             ref = ref + b.float()
         try:
-            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, **kw)
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps)
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             ok = err < 1e-2 and worst < 3e-2
-            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, **kw)
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps)
             same = torch.equal(again, y)
         except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
             ok, same, err, worst = False, False, float("nan"), float("nan")
             print(f"  {type(exc).__name__}: {str(exc)[:300]}")
         bad += not (ok and same)
         print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps}: "
-              f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
-              f"{f' (bulk ring {ring})' if ring else ''}",
+              f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}",
               flush=True)
     return bad
-
-
-def bulk_grid(steps: int):
-    """(warps, stages, blocks an SM) of the bulk ring to time: warps a tile up to its steps; stages x blocks in the
-    shared memory (checked by gemv_ksplit, which reports what does not fit)."""
-    for warps in (4, 8, 16):
-        if warps > steps:
-            continue
-        for ctas in (1, 2, 4):
-            if warps * ctas > 32:
-                continue
-            for stages in (2, 4, 6):
-                yield warps, stages, ctas
 
 
 def main(argv=None) -> int:
@@ -101,10 +77,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
-    ap.add_argument("--bulk", action="store_true", help="the bulk-copy ring's grid (Hopper) instead of the K split's")
-    ap.add_argument("--bulk-grid", default="", help="warps:stages:ctas,... instead of the default bulk grid")
-    ap.add_argument("--one-copy", default="0", choices=("0", "1", "both"),
-                    help="bulk: each tile in one copy (rows unpadded) instead of a copy a row")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()
@@ -122,30 +94,7 @@ def main(argv=None) -> int:
                       f"Triton class ({tri.mode})"))
         steps = k // 128
         rows = []
-        bulk = []
-        grid = ([tuple(map(int, g.split(":"))) for g in a.bulk_grid.split(",")] if a.bulk_grid
-                else list(bulk_grid(steps))) if a.bulk else []
-        for one in {"0": (False,), "1": (True,), "both": (False, True)}[a.one_copy] if grid else ():
-            for warps, stages, ctas in grid:
-                kw = dict(warps=warps, stages=stages, ctas_per_sm=ctas, one_copy=one)
-                try:
-                    y = C.gemv_ksplit(x, w0, **kw)
-                    torch.cuda.synchronize()
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    if not err < 1e-2:
-                        raise RuntimeError(f"wrong (rel err {err:.2g})")
-                    bulk.append((graph_time([lambda w=w: C.gemv_ksplit(x, w, **kw) for w in copies], a.reps), kw))
-                except Exception as exc:                              # noqa: BLE001 - a probe: report, go on
-                    print(f"  bulk {kw}: {type(exc).__name__}: {str(exc)[:200]}")
-        for i, (t, kw) in enumerate(sorted(bulk, key=lambda r: r[0])):   # nomath: the best three only (compile time)
-            tn = graph_time([lambda w=w: C.gemv_ksplit(x, w, nomath=True, **kw) for w in copies],
-                            a.reps) if i < 3 else float("nan")
-            shape = C.KsplitShape(16, steps, kw["warps"], kw["warps"], C.ksplit_rows(a.rows), True, False,
-                                  kw["ctas_per_sm"], groups=C.ksplit_groups(w0), stages=kw["stages"],
-                                  one_copy=kw["one_copy"])
-            rows.append((t, tn, f"bulk w{kw['warps']} S{kw['stages']} ctas{kw['ctas_per_sm']}"
-                                f"{' one copy' if kw['one_copy'] else ''}", regs(shape, idx)))
-        for ks in (() if a.bulk else sorted({s for s in (4, 8, 16, 32) if s <= steps})):
+        for ks in sorted({s for s in (4, 8, 16, 32) if s <= steps}):
             for warps in sorted({ks, 2 * ks} & set(range(1, 33))):
                 for occ in (16, 32):
                     try:
@@ -162,15 +111,15 @@ def main(argv=None) -> int:
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
                         shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
                                               False, minb, groups=C.ksplit_groups(w0))
-                        rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}", regs(shape, idx)))
+                        rows.append((res[0], res[1], ks, warps, occ, regs(shape, idx)))
                     except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
                         print(f"  ks{ks} w{warps} occ{occ}: {type(exc).__name__}: {str(exc)[:120]}")
         for t, name in found:
             print(f"  {name:<34} {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {t / t_read:.2f}x the plain read)",
                   flush=True)
         rows.sort()
-        for t, tn, cfg, nreg in rows[:a.top]:
-            print(f"  ksplit {cfg} ({nreg} regs): {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, "
+        for t, tn, ks, warps, occ, nreg in rows[:a.top]:
+            print(f"  ksplit ks{ks:<2} w{warps:<2} occ{occ} ({nreg} regs): {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, "
                   f"{wbytes / t / roof:.2f} HBM, {t / t_read:.2f}x read), nomath {tn * 1e6:6.2f} us", flush=True)
         del copies
         torch.cuda.empty_cache()

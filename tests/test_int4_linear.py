@@ -367,12 +367,6 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     assert "one group a tile with pack 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 512), 64), 32),
                                                                      1, 2, 2)
     assert "pack 16 or 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 256), 64), 8), 1, 2, 2)
-    # the bulk ring: a row's place is 64 mod 128 bytes (conflict-free 16-byte loads of rows 2p, 2p + 1), 16 bytes a
-    # stage for its mbarrier (x stays 16-byte aligned), two sets of the warps' sums
-    assert [int4_cuda.bulk_pitch(kw) for kw in (256, 176, 1376, 512)] == [1088, 704, 5568, 2112]
-    assert int4_cuda.ksplit_shared_bytes(1, 256, 8, 8, 1, 4) == 4 * (16 * 1088 + 16) + 4 * (1152 + 16 + 2 * 8 * 16)
-    assert int4_cuda.ksplit_shared_bytes(1, 256, 1, 1, 1, 2) > 2 * 16 * 1088 + 4 * 1168   # one warp: sums kept too
-    assert "stages must be >= 0" in int4_cuda.ksplit_fits(tw, 1, 2, 2, None, -1)
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
@@ -476,29 +470,6 @@ def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warp
     assert "1..16 rows" in int4_cuda.ksplit_fits(tw, 17, 2, 2)
     with pytest.raises(ValueError, match="multiple of ksplit"):
         int4_cuda.gemv_ksplit(torch.randn(1, 512, device="cuda", dtype=dtype), tw, ksplit=3, warps=4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k,group,pack,rows,warps,stages,ctas", [
-    (2048, 2048, 128, 16, 1, 8, 4, 2), (12805, 2048, 128, 16, 1, 8, 4, 2), (2056, 2048, 128, 16, 4, 16, 3, 1),
-    (777, 1160, 32, 16, 3, 4, 2, 4), (1000, 10944, 64, 16, 1, 8, 2, 1), (3000, 4096, 256, 32, 5, 8, 2, 1),
-    (40, 2176, 128, 16, 1, 2, 5, 1), (1536, 2048, -1, 16, 16, 8, 2, 2), (21888, 2048, 128, 16, 1, 16, 3, 1)])
-@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
-def test_gpu_ksplit_bulk_ring_matches_reference(n, k, group, pack, rows, warps, stages, ctas, dtype, bias):
-    """The K-split kernel with its weights streamed by bulk copies into a ring of whole tiles (Hopper): several
-    rounds a block and stage (12805 rows: 801 tiles over a persistent grid), a ragged last tile, a ring deeper
-    than a block's tiles (40 rows), groups of 32 and 64, pack 32, per channel, 1-16 rows; elsewhere the config
-    runs without the ring."""
-    from ktinject.operators.kernels import int4_cuda, int4_triton as T
-    if torch.cuda.get_device_capability() < (9, 0):
-        tw = P.tile(P.quantize(torch.randn(64, 512, device="cuda"), 128), 16)
-        assert "Hopper" in int4_cuda.ksplit_fits(tw, 1, 2, 2, 0, 2)
-        cfg = T.TiledConfig("ksplit", block_n=16, num_warps=2, chunk=2, num_stages=2, ctas=1)
-        assert T.runnable_config(cfg, tw, 1, 64, 512, "cuda", torch.bfloat16).num_stages == 1
-        return
-    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, warps=warps, stages=stages,
-                                                                   ctas_per_sm=ctas),
-                            n, k, group, pack, rows, dtype, bias)
 
 
 @pytest.mark.gpu

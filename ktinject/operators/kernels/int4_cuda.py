@@ -592,12 +592,66 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define MLIVE M                                      // rows stored: the call's M < MR
 #endif
 
-// x pairs and step sums: 16 threads a (row of x, step), thread r of them the 8 consecutive inputs
-// j0 .. j0 + 7 of slice i = r / 2 of its tile (j0 = the step's first word in the tile + 8 (r % 2)): one
-// 16-byte load where x allows (xvec), 8 two-byte stores 16 bytes apart (words j0 .. j0 + 7 of the pair
-// array, pair slot a = i % 4, half i / 4), and the 16 threads' sums added by shuffles
-__device__ __forceinline__ void ksplit_stage_x(const u16* __restrict__ x, int K, int M, int stride_xm, int xvec,
-                                               u32* xp, float* xsum, int warp, int lane) {
+// The small matrices' GEMV (mode "ksplit", 1-16 rows of x). The mma's roles are those of ktk_int4_mma
+// swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
+// + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
+// (column g = x row g, the same staged pairs as ktk_int4_mma), so every mma does 16 rows x 16 inputs of
+// useful work with no zero fragments, and the D column m holds x row m (past 8 rows, a second mma on the
+// same unpacked A takes x rows 8..15). K is split over the warps of a
+// block: KS warps share one 16-row tile, warp w taking the steps (w % KS) * SPW .. + SPW - 1, so a matrix
+// of a few hundred tiles still has every SM busy with all of its loads in flight at once. Each warp issues
+// the loads of all its steps (and their scales) before the x staging, whose barrier then waits under the
+// weights' latency. Per step, the lanes that hold x columns (2 c < MR) add s (D - MAGIC_V X) + m X; the KS
+// warps' sums meet in shared memory and are added in a fixed order (deterministic). MR (the rows of x
+// rounded up to 1, 2, 4, 8 or 16; rows M..MR-1 are staged as copies of row M-1 and not stored) and the
+// steps of a row are compile-time constants.
+// GPS scale groups a step (1; with pack 16, 2 for groups of 64 and 4 for groups of 32, the GGUF Q4_0 / Q4_K
+// repack): nibbles 0-3 of a word are the tile's inputs 0-63 and nibbles 4-7 its inputs 64-127, so the pair
+// (a, a + 4) of an mma mixes two groups. Then each mma runs twice, once on the low halves of the pairs (the
+// high half a bf16 zero) and once on the high halves: the first mma of a word (nibbles 0, 1 | 4, 5) and the
+// second (2, 3 | 6, 7) each give one group of 32 a half, and D is kept per group (the tensor cores have the
+// time: the weights' loads bound the kernel). X is staged per group.
+extern "C" __global__ void __launch_bounds__(NT, MINB)
+ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
+                const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
+                int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm, int stride_om, int xvec)
+{
+    extern __shared__ u32 smem[];
+    u32* xp = smem;                                  // [MR][KWP] x pairs
+    float* xsum = (float*)(smem + MR * KWP);         // [MR][NSTEP][GPS] sum of x over each step's groups
+    float* part = xsum + MR * NSTEP * GPS;           // [WARPS][TR][MR] each warp's sums (KS > 1)
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int KQ = KWC / 4;
+    const int n_tiles = (N + TR - 1) / TR;
+    const int nt = blockIdx.x * (WARPS / KS) + warp / KS;
+    const int s_lo = (warp % KS) * SPW;
+    const bool hold = 2 * c < MR;                    // this lane's D columns 2 c, 2 c + 1 hold x rows
+    const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
+
+    uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
+    u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const bool ok = nt < n_tiles && s_lo + s < NSTEP;
+        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const int st = min(s_lo + s, NSTEP - 1);
+        const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
+#pragma unroll
+        for (int j = 0; j < GPS; j++) {
+            const size_t go = (size_t)min(g0 + j, NG - 1) * N;
+            pa[s][j] = hold ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;
+            pb[s][j] = hold ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+        }
+    }
+
+    // x pairs and step sums: 16 threads a (row of x, step), thread r of them the 8 consecutive inputs
+    // j0 .. j0 + 7 of slice i = r / 2 of its tile (j0 = the step's first word in the tile + 8 (r % 2)): one
+    // 16-byte load where x allows (xvec), 8 two-byte stores 16 bytes apart (words j0 .. j0 + 7 of the pair
+    // array, pair slot a = i % 4, half i / 4), and the 16 threads' sums added by shuffles
     for (int base = warp * 32; base < MR * NSTEP * 16; base += NT) {
         const unsigned idx = base + lane, m = idx / (NSTEP * 16), st = (idx / 16) % NSTEP, r = idx % 16;
         const bool ok = idx < MR * NSTEP * 16;
@@ -632,123 +686,103 @@ __device__ __forceinline__ void ksplit_stage_x(const u16* __restrict__ x, int K,
         for (int off = 8 / GPS; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
         if (ok && r % (16 / GPS) == 0) xsum[(m * NSTEP + st) * GPS + r / (16 / GPS)] = sum;
     }
-}
+    __syncthreads();
 
-// (scale, min) of rows ra and rb for the steps s_lo .. s_lo + SPW - 1, per group (the lanes that hold x columns)
-__device__ __forceinline__ void ksplit_scales(const u16* __restrict__ sc, const u16* __restrict__ mn, int ra, int rb,
-                                              int s_lo, bool hold, int N, int NG, int g_shift,
-                                              u32 (&pa)[SPW][GPS], u32 (&pb)[SPW][GPS]) {
-#pragma unroll
-    for (int s = 0; s < SPW; s++) {
-        const int st = min(s_lo + s, NSTEP - 1);
-        const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
-#pragma unroll
-        for (int j = 0; j < GPS; j++) {
-            const size_t go = (size_t)min(g0 + j, NG - 1) * N;
-            pa[s][j] = hold ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;
-            pb[s][j] = hold ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
-        }
-    }
-}
-
-// x rows in groups of 8 (NG8 = 1 or 2), one mma's B columns each: group h, column g = x row 8 h + g; m0, m1: this
-// lane's two x rows of group h (clamped copies past MR)
-__device__ __forceinline__ void ksplit_xrows(const u32* xp, int g, int c, const u32* (&xrow)[NG8], int (&m0)[NG8],
-                                             int (&m1)[NG8]) {
+    // x rows in groups of 8 (NG8 = 1 or 2), one mma's B columns each: group h, column g = x row 8 h + g
+    const u32* xrow[NG8];
+    int m0[NG8], m1[NG8];                            // this lane's two x rows of group h (clamped copies past MR)
 #pragma unroll
     for (int h = 0; h < NG8; h++) {
         xrow[h] = xp + (8 * h + g < MR ? 8 * h + g : 0) * KWP + 16 * c + 4 * (c >> 1);
         m0[h] = 8 * h + 2 * c < MR ? 8 * h + 2 * c : 0;
         m1[h] = 8 * h + 2 * c + 1 < MR ? 8 * h + 2 * c + 1 : m0[h];
     }
-}
-
-// step st of rows ra (words wa) and rb (wb): its mma, then s (D - MAGIC_V X) + m X into acc, per group:
-// acc[h] = (ra, m0), (ra, m1), (rb, m0), (rb, m1)
-__device__ __forceinline__ void ksplit_step(const uint4 wa, const uint4 wb, const u32 (&pa)[GPS], const u32 (&pb)[GPS],
-                                            int st, int c, const u32* const (&xrow)[NG8], const int (&m0)[NG8],
-                                            const int (&m1)[NG8], const float* xsum, float (&acc)[NG8][4]) {
+    float acc[NG8][4];                               // per group: (ra, m0), (ra, m1), (rb, m0), (rb, m1)
+#pragma unroll
+    for (int h = 0; h < NG8; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const int st = s_lo + s;
+        if (st < NSTEP) {
 #if GPS == 1
-    float d[NG8][4], e[NG8][4];                      // two chains of mma per group
+            float d[NG8][4], e[NG8][4];              // two chains of mma per group
 #pragma unroll
-    for (int h = 0; h < NG8; h++)
+            for (int h = 0; h < NG8; h++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) d[h][i] = e[h][i] = 0.f;
+                for (int i = 0; i < 4; i++) d[h][i] = e[h][i] = 0.f;
 #else
-    float d[GPS * CH][NG8][4];                       // per scale group, CH chains of mma each
+            float d[GPS * CH][NG8][4];               // per scale group, CH chains of mma each
 #pragma unroll
-    for (int j = 0; j < GPS * CH; j++)
+            for (int j = 0; j < GPS * CH; j++)
 #pragma unroll
-        for (int h = 0; h < NG8; h++)
+                for (int h = 0; h < NG8; h++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) d[j][h][i] = 0.f;
+                    for (int i = 0; i < 4; i++) d[j][h][i] = 0.f;
 #endif
-    const u32 va[4] = {wa.x, wa.y, wa.z, wa.w};
-    const u32 vb[4] = {wb.x, wb.y, wb.z, wb.w};
+            const u32 va[4] = {wa[s].x, wa[s].y, wa[s].z, wa[s].w};
+            const u32 vb[4] = {wb[s].x, wb[s].y, wb[s].z, wb[s].w};
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
+            for (int u = 0; u < 4; u++) {
 #if NOMATH                                           // (probe: the loads and the loop alone)
 #if GPS == 1
-        d[0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
+                d[0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
 #else
-        d[0][0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
+                d[0][0][u & 3] += __int_as_float((va[u] ^ vb[u]) & 0x3FFFFFFFu);
 #endif
-        continue;
+                continue;
 #endif
-        const u32 A = va[u], B = vb[u];              // (the nibble pairs' lop3s are shared by the groups)
+                const u32 A = va[u], B = vb[u];      // (the nibble pairs' lop3s are shared by the groups)
 #pragma unroll
-        for (int h = 0; h < NG8; h++) {
-            const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
+                for (int h = 0; h < NG8; h++) {
+                    const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
 #if GPS == 1
-            mma((u & 1) ? e[h] : d[h], (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
-                ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
-            mma((u & 1) ? e[h] : d[h], ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
-                ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
+                    mma((u & 1) ? e[h] : d[h], (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
+                        ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
+                    mma((u & 1) ? e[h] : d[h], ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
+                        ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
 #else
-            const int ch = CH == 2 ? (u & 1) : 0;   // low halves: nibbles 0, 1 (| 2, 3); high: 4, 5 (| 6, 7)
-            mma(d[0 * CH + ch][h], (A & 0xFu) | MAGIC_LO, (B & 0xFu) | MAGIC_LO,
-                ((A >> 4) & 0xFu) | MAGIC_LO, ((B >> 4) & 0xFu) | MAGIC_LO, xv.x, xv.y);
-            mma(d[(GPS / 2) * CH + ch][h], (A & 0xF0000u) | MAGIC_HI, (B & 0xF0000u) | MAGIC_HI,
-                ((A >> 4) & 0xF0000u) | MAGIC_HI, ((B >> 4) & 0xF0000u) | MAGIC_HI, xv.x, xv.y);
-            mma(d[(GPS == 4 ? 1 : 0) * CH + ch][h], ((A >> 8) & 0xFu) | MAGIC_LO, ((B >> 8) & 0xFu) | MAGIC_LO,
-                ((A >> 12) & 0xFu) | MAGIC_LO, ((B >> 12) & 0xFu) | MAGIC_LO, xv.z, xv.w);
-            mma(d[(GPS == 4 ? 3 : 1) * CH + ch][h], ((A >> 8) & 0xF0000u) | MAGIC_HI,
-                ((B >> 8) & 0xF0000u) | MAGIC_HI, ((A >> 12) & 0xF0000u) | MAGIC_HI,
-                ((B >> 12) & 0xF0000u) | MAGIC_HI, xv.z, xv.w);
+                    const int ch = CH == 2 ? (u & 1) : 0;   // low halves: nibbles 0, 1 (| 2, 3); high: 4, 5 (| 6, 7)
+                    mma(d[0 * CH + ch][h], (A & 0xFu) | MAGIC_LO, (B & 0xFu) | MAGIC_LO,
+                        ((A >> 4) & 0xFu) | MAGIC_LO, ((B >> 4) & 0xFu) | MAGIC_LO, xv.x, xv.y);
+                    mma(d[(GPS / 2) * CH + ch][h], (A & 0xF0000u) | MAGIC_HI, (B & 0xF0000u) | MAGIC_HI,
+                        ((A >> 4) & 0xF0000u) | MAGIC_HI, ((B >> 4) & 0xF0000u) | MAGIC_HI, xv.x, xv.y);
+                    mma(d[(GPS == 4 ? 1 : 0) * CH + ch][h], ((A >> 8) & 0xFu) | MAGIC_LO, ((B >> 8) & 0xFu) | MAGIC_LO,
+                        ((A >> 12) & 0xFu) | MAGIC_LO, ((B >> 12) & 0xFu) | MAGIC_LO, xv.z, xv.w);
+                    mma(d[(GPS == 4 ? 3 : 1) * CH + ch][h], ((A >> 8) & 0xF0000u) | MAGIC_HI,
+                        ((B >> 8) & 0xF0000u) | MAGIC_HI, ((A >> 12) & 0xF0000u) | MAGIC_HI,
+                        ((B >> 12) & 0xF0000u) | MAGIC_HI, xv.z, xv.w);
 #endif
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < NG8; h++) {
-        if (8 * h + 2 * c < MR) {
-#pragma unroll
-            for (int j = 0; j < GPS; j++) {
-                const float X0 = xsum[(m0[h] * NSTEP + st) * GPS + j], X1 = xsum[(m1[h] * NSTEP + st) * GPS + j];
-                const float Sa = h2f((u16)(pa[j] & 0xFFFFu)), Ma = h2f((u16)(pa[j] >> 16));
-                const float Sb = h2f((u16)(pb[j] & 0xFFFFu)), Mb = h2f((u16)(pb[j] >> 16));
-#if GPS == 1
-                const float D0 = d[h][0] + e[h][0], D1 = d[h][1] + e[h][1];
-                const float D2 = d[h][2] + e[h][2], D3 = d[h][3] + e[h][3];
-#else
-                float D0 = 0.f, D1 = 0.f, D2 = 0.f, D3 = 0.f;
-#pragma unroll
-                for (int q = 0; q < CH; q++) {
-                    D0 += d[j * CH + q][h][0]; D1 += d[j * CH + q][h][1];
-                    D2 += d[j * CH + q][h][2]; D3 += d[j * CH + q][h][3];
                 }
+            }
+#pragma unroll
+            for (int h = 0; h < NG8; h++) {
+                if (8 * h + 2 * c < MR) {
+#pragma unroll
+                    for (int j = 0; j < GPS; j++) {
+                        const float X0 = xsum[(m0[h] * NSTEP + st) * GPS + j], X1 = xsum[(m1[h] * NSTEP + st) * GPS + j];
+                        const float Sa = h2f((u16)(pa[s][j] & 0xFFFFu)), Ma = h2f((u16)(pa[s][j] >> 16));
+                        const float Sb = h2f((u16)(pb[s][j] & 0xFFFFu)), Mb = h2f((u16)(pb[s][j] >> 16));
+#if GPS == 1
+                        const float D0 = d[h][0] + e[h][0], D1 = d[h][1] + e[h][1];
+                        const float D2 = d[h][2] + e[h][2], D3 = d[h][3] + e[h][3];
+#else
+                        float D0 = 0.f, D1 = 0.f, D2 = 0.f, D3 = 0.f;
+#pragma unroll
+                        for (int q = 0; q < CH; q++) {
+                            D0 += d[j * CH + q][h][0]; D1 += d[j * CH + q][h][1];
+                            D2 += d[j * CH + q][h][2]; D3 += d[j * CH + q][h][3];
+                        }
 #endif
-                acc[h][0] += Sa * (D0 - MAGIC_V * X0) + Ma * X0;
-                acc[h][1] += Sa * (D1 - MAGIC_V * X1) + Ma * X1;
-                acc[h][2] += Sb * (D2 - MAGIC_V * X0) + Mb * X0;
-                acc[h][3] += Sb * (D3 - MAGIC_V * X1) + Mb * X1;
+                        acc[h][0] += Sa * (D0 - MAGIC_V * X0) + Ma * X0;
+                        acc[h][1] += Sa * (D1 - MAGIC_V * X1) + Ma * X1;
+                        acc[h][2] += Sb * (D2 - MAGIC_V * X0) + Mb * X0;
+                        acc[h][3] += Sb * (D3 - MAGIC_V * X1) + Mb * X1;
+                    }
+                }
             }
         }
     }
-}
-
-// a warp's sums of its tile into part[warp][TR][MR]
-__device__ __forceinline__ void ksplit_part(float* part, int warp, int g, int c, const float (&acc)[NG8][4],
-                                            const int (&m0)[NG8], const int (&m1)[NG8]) {
+#if KS > 1
 #pragma unroll
     for (int h = 0; h < NG8; h++) {
         if (8 * h + 2 * c < MR) {
@@ -760,200 +794,21 @@ __device__ __forceinline__ void ksplit_part(float* part, int warp, int g, int c,
             }
         }
     }
-}
-
-// tile nt's output: the KS warps' sums from warp w0 on, added in a fixed order (deterministic), + bias
-__device__ __forceinline__ void ksplit_store(const float* part, int w0, int nt, int lane, int N, int M,
-                                             const u16* __restrict__ bias, u16* __restrict__ out, int stride_om) {
-    for (int i = lane; i < TR * MR; i += 32) {
-        const int r = i / MR, m = i - r * MR, n = nt * TR + r;
-        if (n < N && m < MLIVE) {
-            float y = 0.f;
+    __syncthreads();
+    if (warp % KS == 0 && nt < n_tiles) {            // the tile's first warp adds the KS sums in order
+        for (int i = lane; i < TR * MR; i += 32) {
+            const int r = i / MR, m = i - r * MR, n = nt * TR + r;
+            if (n < N && m < MLIVE) {
+                float y = 0.f;
 #pragma unroll
-            for (int s = 0; s < KS; s++) y += part[((w0 + s) * TR + r) * MR + m];
+                for (int s = 0; s < KS; s++) y += part[((warp + s) * TR + r) * MR + m];
 #if HAS_BIAS
-            y += to_f32(bias[n]);
+                y += to_f32(bias[n]);
 #endif
-            out[(size_t)m * stride_om + n] = from_f32(y);
+                out[(size_t)m * stride_om + n] = from_f32(y);
+            }
         }
     }
-}
-
-#if BULK
-// Hopper's bulk copies (the TMA unit, one-dimensional: no tensor map) into a ring of whole tiles, completed on an
-// mbarrier a stage
-typedef unsigned long long u64;
-#define RB (KWC * 4)                                 // bytes of a row's words
-#if ONECOPY
-#define PITCH RB                                     // (probe: the tile in one copy, rows unpadded)
-#else
-#define PITCH (RB + ((RB & 64) ? 0 : 64))            // a row's place in the ring: 64 mod 128 bytes, so the 8 lanes of
-#endif                                               // a 16-byte load phase (rows 2 p, 2 p + 1) hit distinct banks
-#define STAGE_U32 (TR * PITCH / 4)
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(u64* b) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(u64* b, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(b)), "r"(parity) : "memory");
-}
-// tile nt's rows (N - nt TR of them in the last tile) into dst, lane r copying row r; warp-uniform
-__device__ __forceinline__ void bulk_tile(const uint4* __restrict__ qw, int N, int nt, int n_tiles, u32* dst, u64* b,
-                                          int lane) {
-    if (nt >= n_tiles) return;
-    const int rows = min(TR, N - nt * TR);
-    if (lane == 0)
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                     :: "r"(smem_addr(b)), "r"((u32)(rows * RB)) : "memory");
-    __syncwarp();
-#if ONECOPY
-    if (lane == 0)
-        asm volatile("fence.proxy.async.shared::cta;\n"
-                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(smem_addr(dst)), "l"(qw + (size_t)(nt * TR) * (KWC / 4)), "r"((u32)(rows * RB)),
-                        "r"(smem_addr(b)) : "memory");
-#else
-    if (lane < rows)
-        asm volatile("fence.proxy.async.shared::cta;\n"   // (the ring's last reads, by the generic proxy, first)
-                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(smem_addr(dst + lane * (PITCH / 4))), "l"(qw + (size_t)(nt * TR + lane) * (KWC / 4)),
-                        "r"((u32)RB), "r"(smem_addr(b)) : "memory");
-#endif
-}
-#endif
-
-// The small matrices' GEMV (mode "ksplit", 1-16 rows of x). The mma's roles are those of ktk_int4_mma
-// swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
-// + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
-// (column g = x row g, the same staged pairs as ktk_int4_mma), so every mma does 16 rows x 16 inputs of
-// useful work with no zero fragments, and the D column m holds x row m (past 8 rows, a second mma on the
-// same unpacked A takes x rows 8..15). K is split over the warps of a
-// block: KS warps share one 16-row tile, warp w taking the steps (w % KS) * SPW .. + SPW - 1, so a matrix
-// of a few hundred tiles still has every SM busy with all of its loads in flight at once. Each warp issues
-// the loads of all its steps (and their scales) before the x staging, whose barrier then waits under the
-// weights' latency. Per step, the lanes that hold x columns (2 c < MR) add s (D - MAGIC_V X) + m X; the KS
-// warps' sums meet in shared memory and are added in a fixed order (deterministic). MR (the rows of x
-// rounded up to 1, 2, 4, 8 or 16; rows M..MR-1 are staged as copies of row M-1 and not stored) and the
-// steps of a row are compile-time constants.
-// GPS scale groups a step (1; with pack 16, 2 for groups of 64 and 4 for groups of 32, the GGUF Q4_0 / Q4_K
-// repack): nibbles 0-3 of a word are the tile's inputs 0-63 and nibbles 4-7 its inputs 64-127, so the pair
-// (a, a + 4) of an mma mixes two groups. Then each mma runs twice, once on the low halves of the pairs (the
-// high half a bf16 zero) and once on the high halves: the first mma of a word (nibbles 0, 1 | 4, 5) and the
-// second (2, 3 | 6, 7) each give one group of 32 a half, and D is kept per group (the tensor cores have the
-// time: the weights' loads bound the kernel). X is staged per group.
-// BULK (Hopper, the large matrices): the weights do not pass through registers. A persistent block takes the
-// tiles blockIdx.x, + gridDim.x, ...; its S-stage ring in shared memory holds whole tiles, each filled by 16
-// bulk copies (a row each, issued by warp 0's lanes) that complete on the stage's mbarrier, so S tiles of
-// loads are in flight while the warps compute, with no registers held for them. All WARPS warps share a tile
-// (KS == WARPS), read their steps' words from the ring, and warp 0 adds their sums (two buffers, one barrier
-// a tile), refills the stage with the tile S rounds on, and stores. The next tile's scales are loaded into
-// registers while a tile is computed.
-extern "C" __global__ void __launch_bounds__(NT, MINB)
-ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
-                const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
-                int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm, int stride_om, int xvec)
-{
-    extern __shared__ __align__(16) u32 smem[];
-#if BULK
-    u32* ring = smem;                                // [S][TR][PITCH / 4] the stages' tiles
-    u64* bar = (u64*)(smem + S * STAGE_U32);         // [S] a stage's copies landed (16 bytes a stage: xp aligned)
-    u32* xp = smem + S * STAGE_U32 + 4 * S;          // [MR][KWP] x pairs
-#else
-    u32* xp = smem;                                  // [MR][KWP] x pairs
-#endif
-    float* xsum = (float*)(xp + MR * KWP);           // [MR][NSTEP][GPS] sum of x over each step's groups
-    float* part = xsum + MR * NSTEP * GPS;           // [WARPS][TR][MR] each warp's sums (KS > 1); BULK: two
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const int n_tiles = (N + TR - 1) / TR;
-    const bool hold = 2 * c < MR;                    // this lane's D columns 2 c, 2 c + 1 hold x rows
-#if BULK
-    const int s_lo = warp * SPW;                     // (KS == WARPS)
-    if (tid == 0) {
-        for (int s = 0; s < S; s++) bar_init(bar + s);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == 0)
-        for (int s = 0; s < S; s++)
-            bulk_tile(qw, N, blockIdx.x + s * gridDim.x, n_tiles, ring + s * STAGE_U32, bar + s, lane);
-    ksplit_stage_x(x, K, M, stride_xm, xvec, xp, xsum, warp, lane);
-    __syncthreads();
-    const u32* xrow[NG8];
-    int m0[NG8], m1[NG8];
-    ksplit_xrows(xp, g, c, xrow, m0, m1);
-    u32 pa[SPW][GPS], pb[SPW][GPS];                  // the next tile's (scale, min), per step and group
-    ksplit_scales(sc, mn, min((int)blockIdx.x * TR + g, N - 1), min((int)blockIdx.x * TR + g + 8, N - 1), s_lo,
-                  hold, N, NG, g_shift, pa, pb);
-    for (int it = 0, nt = blockIdx.x; nt < n_tiles; it++, nt += gridDim.x) {
-        const int stage = it % S;
-        u32 qa[SPW][GPS], qb[SPW][GPS];
-#pragma unroll
-        for (int s = 0; s < SPW; s++)
-#pragma unroll
-            for (int j = 0; j < GPS; j++) { qa[s][j] = pa[s][j]; qb[s][j] = pb[s][j]; }
-        const int nn = nt + gridDim.x;
-        if (nn < n_tiles)
-            ksplit_scales(sc, mn, min(nn * TR + g, N - 1), min(nn * TR + g + 8, N - 1), s_lo, hold, N, NG, g_shift,
-                          pa, pb);
-        float acc[NG8][4];
-#pragma unroll
-        for (int h = 0; h < NG8; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-        bar_wait(bar + stage, (it / S) & 1);
-        const u32* rs = ring + stage * STAGE_U32;
-#pragma unroll
-        for (int s = 0; s < SPW; s++) {
-            const int st = s_lo + s;
-            if (st < NSTEP)
-                ksplit_step(*(const uint4*)(rs + g * (PITCH / 4) + (4 * st + c) * 4),
-                            *(const uint4*)(rs + (g + 8) * (PITCH / 4) + (4 * st + c) * 4), qa[s], qb[s], st, c,
-                            xrow, m0, m1, xsum, acc);
-        }
-        float* pt = part + (it & 1) * (WARPS * TR * MR);
-        ksplit_part(pt, warp, g, c, acc, m0, m1);
-        __syncthreads();                             // the stage read, the sums in pt
-        if (warp == 0) {
-            bulk_tile(qw, N, nt + S * gridDim.x, n_tiles, ring + stage * STAGE_U32, bar + stage, lane);
-            ksplit_store(pt, 0, nt, lane, N, M, bias, out, stride_om);
-        }
-    }
-#else
-    const int KQ = KWC / 4;
-    const int nt = blockIdx.x * (WARPS / KS) + warp / KS;
-    const int s_lo = (warp % KS) * SPW;
-    const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
-
-    uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
-    u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
-#pragma unroll
-    for (int s = 0; s < SPW; s++) {
-        const bool ok = nt < n_tiles && s_lo + s < NSTEP;
-        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
-        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    ksplit_scales(sc, mn, ra, rb, s_lo, hold, N, NG, g_shift, pa, pb);
-    ksplit_stage_x(x, K, M, stride_xm, xvec, xp, xsum, warp, lane);
-    __syncthreads();
-
-    const u32* xrow[NG8];
-    int m0[NG8], m1[NG8];
-    ksplit_xrows(xp, g, c, xrow, m0, m1);
-    float acc[NG8][4];                               // per group: (ra, m0), (ra, m1), (rb, m0), (rb, m1)
-#pragma unroll
-    for (int h = 0; h < NG8; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-#pragma unroll
-    for (int s = 0; s < SPW; s++) {
-        const int st = s_lo + s;
-        if (st < NSTEP)
-            ksplit_step(wa[s], wb[s], pa[s], pb[s], st, c, xrow, m0, m1, xsum, acc);
-    }
-#if KS > 1
-    ksplit_part(part, warp, g, c, acc, m0, m1);
-    __syncthreads();
-    if (warp % KS == 0 && nt < n_tiles)              // the tile's first warp adds the KS sums in order
-        ksplit_store(part, warp, nt, lane, N, M, bias, out, stride_om);
 #else
     if (nt < n_tiles) {
 #pragma unroll
@@ -971,7 +826,6 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
             }
         }
     }
-#endif
 #endif
 }
 """
@@ -1025,8 +879,7 @@ def source(shape) -> str:
     then the kernel."""
     if isinstance(shape, KsplitShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
-                  "EXACT": int(shape.exact), "GPS": shape.groups, "BULK": int(shape.stages > 0), "S": shape.stages,
-                  "ONECOPY": int(shape.one_copy),
+                  "EXACT": int(shape.exact), "GPS": shape.groups,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
@@ -1112,10 +965,7 @@ def _self_test(idx: int) -> str | None:
                      lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1)),
                     ("ksplit", (200, 1160), 128, 3, lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6)),
                     ("ksplit, groups of 32", (200, 1160), 32, 3,
-                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))) + ((
-                    ("ksplit, bulk ring", (200, 1160), 128, 2,     # (Hopper only)
-                     lambda x_, t_: gemv_ksplit(x_, t_, None, warps=4, stages=2, ctas_per_sm=1)),)
-                    if major >= 9 else ()):
+                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))):
                 iw = int4_pack.quantize(torch.randn(n, k, generator=g) * 0.05, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
                 x = torch.randn(rows, k, generator=g).to(f"cuda:{idx}", torch.bfloat16)
@@ -1355,23 +1205,12 @@ class KsplitShape:
     nomath: bool = False  # (probe: the loads and the loop only, no unpacking or mma)
     exact: bool = True    # the call's rows are `rows` (else fewer: the staging clamps its row index)
     groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
-    stages: int = 0       # > 0: the bulk-copy ring of that many whole tiles (Hopper; ksplit == warps, persistent)
-    one_copy: bool = False  # (probe: a tile in one bulk copy, its rows unpadded)
 
 
-def bulk_pitch(kw: int) -> int:
-    """Bytes a row of `kw` words takes in the bulk ring (the kernel's PITCH): 64 mod 128, for conflict-free loads."""
-    rb = kw * 4
-    return rb + (0 if rb & 64 else 64)
-
-
-def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1, stages: int = 0,
-                        one_copy: bool = False) -> int:
-    """Shared memory of ktk_int4_ksplit: (stages > 0) the bulk ring of `stages` 16-row tiles and its mbarriers, x
-    pairs and the steps' group sums, then (ksplit > 1) each warp's 16 x m sums (two sets with the ring)."""
-    ring = stages * (16 * (kw * 4 if one_copy else bulk_pitch(kw)) + 16)
-    return ring + (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups
-                   + (warps * 16 * m * (2 if stages else 1) if ksplit > 1 or stages else 0)) * 4
+def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1) -> int:
+    """Shared memory of ktk_int4_ksplit: x pairs and the steps' group sums, then (ksplit > 1) each warp's 16 x m
+    sums."""
+    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + (warps * 16 * m if ksplit > 1 else 0)) * 4
 
 
 def ksplit_groups(w) -> int:
@@ -1405,59 +1244,43 @@ def ksplit_rows(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None, stages: int = 0) -> str | None:
+def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None) -> str | None:
     """Why the K-split GEMV cannot take `m` rows on `w` with this split (on GPU `device_index`: its shared
-    memory; with `stages`, its bulk copies) (None when it can)."""
+    memory) (None when it can)."""
     if not 1 <= m <= KSPLIT_MAX_ROWS:
         return f"it takes 1..{KSPLIT_MAX_ROWS} rows, got {m}"
     try:
         groups = ksplit_groups(w)
     except ValueError as exc:
         return str(exc)
-    if stages < 0:
-        return f"stages must be >= 0, got {stages}"
     if device_index is not None:
-        if stages and torch.cuda.get_device_capability(device_index) < (9, 0):
-            return "its bulk-copy ring needs compute capability 9.0 (Hopper) or later"
-        ks, wps, _, _ = ksplit_launch(w, max(1, warps if stages else ksplit), max(1, warps))
-        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups,
-                               stages) > smem_limit(device_index):
-            what = f" and a ring of {stages} tiles" if stages else ""
-            return f"{m} rows of {w.in_features} inputs{what} do not fit in shared memory"
+        ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps))
+        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups) > smem_limit(device_index):
+            return f"{m} rows of {w.in_features} inputs do not fit in shared memory"
     return None
 
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
-                occupancy: int = 32, nomath: bool = False, stages: int = 0, ctas_per_sm: int = 2,
-                one_copy: bool = False) -> torch.Tensor:
+                occupancy: int = 32, nomath: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
-    bound asks for. `stages` > 0 (Hopper): the weights stream by bulk copies into a ring of that many tiles, in a
-    persistent grid of `ctas_per_sm` blocks an SM whose `warps` all share a tile (`ksplit` and `occupancy` unused)."""
+    bound asks for."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
-    if stages:
-        ksplit = warps
     if ksplit < 1 or warps < ksplit or warps % ksplit:
         raise ValueError(f"warps ({warps}) must be a multiple of ksplit ({ksplit}) >= 1")
-    if stages and ctas_per_sm < 1:
-        raise ValueError(f"ctas_per_sm must be >= 1, got {ctas_per_sm}")
     x, bias, idx = _checked(x, w, bias)
-    why = ksplit_fits(w, m, ksplit, warps, idx, stages)
+    why = ksplit_fits(w, m, ksplit, warps, idx)
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
     ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy)
-    if stages:
-        ks = warps = max(1, min(warps, kw // 16))
-        blocks = min(-(-n // 16), ctas_per_sm * torch.cuda.get_device_properties(idx).multi_processor_count)
-        min_blocks = ctas_per_sm
     mr = ksplit_rows(m)
     groups = ksplit_groups(w)
-    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, stages, one_copy)
+    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups)
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, x.dtype == torch.bfloat16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, stages, one_copy and stages > 0)
+                        nomath, m == mr, groups)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,

@@ -290,15 +290,11 @@ class TiledConfig:
     #                                 mma (M <= 16: int4_cuda's tensor-core kernel; block_n = 8 x num_warps)
     #                                 diag (M <= 16: as mma, scale work once per super-step; block_n = 8 x warps)
     #                                 ksplit (M <= 16: int4_cuda's K-split tensor-core kernel; chunk warps share
-    #                                   a 16-row tile, each a slice of K; block_n = 16 x num_warps / chunk;
-    #                                   num_stages >= 2: the bulk-copy ring, below)
+    #                                   a 16-row tile, each a slice of K; block_n = 16 x num_warps / chunk)
     block_n: int = 64               # rows per program
     num_warps: int = 4
     num_stages: int = 1             # (Triton does not software-pipeline this loop: stages change nothing)
     #                                 mode diag: >= 2 sends the weights through a cp.async ring this deep
-    #                                 mode ksplit: >= 2 streams whole tiles by bulk copies into a ring this deep
-    #                                 (Hopper; a persistent grid of `ctas` blocks an SM, chunk = num_warps;
-    #                                 elsewhere the same config without the ring)
     target_programs: int = 1056     # split K until the grid holds about this many programs (8 per SM)
     split: int = 0                  # fixed K split instead (0: from target_programs)
     pack: int = 16                  # P of the weight layout this config was tuned for (16 or 32)
@@ -306,8 +302,7 @@ class TiledConfig:
     reduce: str = "serial"          # split-K sums: serial (fixed order) | atomic (fp32 atomics; any order)
     chunk: int = 16                 # mode rows: tiles per load wave (power of two); rows never splits K
     #                                 mode cuda: 128-word steps per load batch; mma, diag: 16-word steps
-    ctas: int = 0                   # modes mma, diag, ksplit with a ring: blocks per SM of a persistent grid (0: a
-    #                                 warp per 8 rows)
+    ctas: int = 0                   # modes mma, diag: blocks per SM of a persistent grid (0: a warp per 8 rows)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -747,9 +742,7 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
             if cfg.mode == "ksplit":
-                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps,
-                                             stages=cfg.num_stages if cfg.num_stages > 1 else 0,
-                                             ctas_per_sm=max(1, cfg.ctas))
+                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps)
             if cfg.mode == "diag":
                 return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
                                            stages=cfg.num_stages if cfg.num_stages > 1 else 0)
@@ -807,10 +800,6 @@ def runnable_config(cfg: TiledConfig, w, m: int, n: int, k: int, device, dtype: 
     shape), with `fma` for the tensor-core modes at <= 4 rows of fp32 activations."""
     if cfg.mode not in CUDA_MODES or cuda_mode_runs(cfg, w, m, device, dtype):
         return cfg
-    if cfg.mode == "ksplit" and cfg.num_stages > 1:   # the bulk ring needs Hopper: the same split without it
-        flat = replace(cfg, num_stages=1, ctas=0, chunk=cfg.num_warps, block_n=16)
-        if cuda_mode_runs(flat, w, m, device, dtype):
-            return flat
     cfg = class_config(m, n, k)
     if cfg.mode in ("dot", "dot_x") and dtype not in (torch.bfloat16, torch.float16) and m <= 4:
         cfg = replace(cfg, mode="fma")
@@ -825,8 +814,7 @@ def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> b
         return False
     idx = int4_cuda.device_index(device)
     if cfg.mode == "ksplit":
-        return int4_cuda.ksplit_fits(w, m, cfg.chunk, cfg.num_warps, idx,
-                                     cfg.num_stages if cfg.num_stages > 1 else 0) is None
+        return int4_cuda.ksplit_fits(w, m, cfg.chunk, cfg.num_warps, idx) is None
     fits = int4_cuda.cuda_fits if cfg.mode == "cuda" else int4_cuda.mma_fits
     return fits(w, m, idx) is None
 
