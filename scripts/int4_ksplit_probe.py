@@ -2,12 +2,13 @@
 """The K-split tensor-core GEMV (`int4_cuda.gemv_ksplit`, mode "ksplit") on the small and mid-size matrices,
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
-    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32]
+    python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32] [--dequant]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
 over a grid of (ksplit, warps a block, occupancy), each config as it is and with its unpacking and mma
-removed (`nomath`), with the registers a thread takes.
+removed (`nomath`), with the registers a thread takes. `--dequant`: each config also with its weights dequantized to
+x's type before the mma (`gemv_ksplit(dequant=True)`).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def check_all() -> int:
         (2048, 10944, 64, 16, 4, torch.bfloat16, True, 32, 32),
         (1000, 2048, 64, 16, 16, torch.bfloat16, False, 8, 16),
     ]
-    for n, k, group, pack, rows, dt, with_bias, ks, warps in cases:
+    for (n, k, group, pack, rows, dt, with_bias, ks, warps), dq in [(c, False) for c in cases] + [
+            (c, True) for c in cases if c[3] == 16]:
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
         tw = P.tile(iw, pack).to("cuda")
         x = torch.randn(rows, k, generator=g).to("cuda", dt)
@@ -52,19 +54,20 @@ def check_all() -> int:
         if b is not None:
             ref = ref + b.float()
         try:
-            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps)
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq)
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             ok = err < 1e-2 and worst < 3e-2
-            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps)
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq)
             same = torch.equal(again, y)
         except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
             ok, same, err, worst = False, False, float("nan"), float("nan")
             print(f"  {type(exc).__name__}: {str(exc)[:300]}")
         bad += not (ok and same)
         print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps}: "
-              f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}",
+              f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
+              f"{' (dequant)' if dq else ''}",
               flush=True)
     return bad
 
@@ -77,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
+    ap.add_argument("--dequant", action="store_true", help="each config also with dequantized weights (dequant=True)")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()
@@ -96,30 +100,33 @@ def main(argv=None) -> int:
         rows = []
         for ks in sorted({s for s in (4, 8, 16, 32) if s <= steps}):
             for warps in sorted({ks, 2 * ks} & set(range(1, 33))):
-                for occ in (16, 32):
+                for occ, dq in [(o, d) for o in (16, 32) for d in ((False, True) if a.dequant else (False,))]:
                     try:
                         res = []
-                        for nomath in (False, True):
-                            y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, nomath=nomath)
+                        for nomath in ((False,) if dq else (False, True)):
+                            y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, nomath=nomath, dequant=dq)
                             torch.cuda.synchronize()
                             if not nomath:
                                 err = ((y.float() - ref).norm() / ref.norm()).item()
                                 if not err < 1e-2:
                                     raise RuntimeError(f"wrong (rel err {err:.2g})")
                             res.append(graph_time([lambda w=w, nm=nomath: C.gemv_ksplit(
-                                x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm) for w in copies], a.reps))
+                                x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm, dequant=dq) for w in copies],
+                                a.reps))
+                        res += [float("nan")] * (2 - len(res))
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
                         shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
-                                              False, minb, groups=C.ksplit_groups(w0))
-                        rows.append((res[0], res[1], ks, warps, occ, regs(shape, idx)))
+                                              False, minb, groups=C.ksplit_groups(w0), dequant=dq)
+                        rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' dq' if dq else ''}",
+                                     regs(shape, idx)))
                     except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
-                        print(f"  ks{ks} w{warps} occ{occ}: {type(exc).__name__}: {str(exc)[:120]}")
+                        print(f"  ks{ks} w{warps} occ{occ} dq {dq}: {type(exc).__name__}: {str(exc)[:120]}")
         for t, name in found:
             print(f"  {name:<34} {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, {t / t_read:.2f}x the plain read)",
                   flush=True)
-        rows.sort()
-        for t, tn, ks, warps, occ, nreg in rows[:a.top]:
-            print(f"  ksplit ks{ks:<2} w{warps:<2} occ{occ} ({nreg} regs): {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, "
+        rows.sort(key=lambda r: r[0])
+        for t, tn, cfg, nreg in rows[:a.top]:
+            print(f"  ksplit {cfg} ({nreg} regs): {t * 1e6:6.2f} us ({t_bf16 / t:.2f}x bf16, "
                   f"{wbytes / t / roof:.2f} HBM, {t / t_read:.2f}x read), nomath {tn * 1e6:6.2f} us", flush=True)
         del copies
         torch.cuda.empty_cache()

@@ -325,8 +325,10 @@ def test_shape_classes_hold_only_triton_modes():
     # groups of 32 and 64 (several a step) take it too; 16 (a pair of slices) does not
     assert T.tiled_config(1, 5000, 2048, 64).mode == "ksplit" and T.tiled_config(4, 5000, 2048, 32).mode == "ksplit"
     assert T.tiled_config(1, 5000, 2048, 16).mode == "rows" and T.tiled_pack(5000, 2048, 32) == 16
-    # ... but tinygemm keeps the buckets its class entry names at groups below 128 (it measured faster there)
-    assert T.tinygemm_buckets(2048, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4, 16}
+    # ... but tinygemm keeps the buckets its class entry names at groups below 128 (it measured faster there), except
+    # where a tuned entry beat it (2048 x 2048 at one row: the K split with the weights scaled before the mma)
+    assert T.tinygemm_buckets(2048, 2048, 32) == {4, 16} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4, 16}
+    assert T.tiled_config(1, 2048, 2048, 32).dequant is None and T.tiled_config(1, 2048, 2048, 32).mode == "ksplit"
     assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}       # (past 70 MB dot_x won at 16 rows)
     assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
     assert T.tiled_config(16, 5000, 2048, 32).mode == "dot_x"      # (5-16 rows: the class config lost to dot_x)
@@ -470,6 +472,22 @@ def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warp
     assert "1..16 rows" in int4_cuda.ksplit_fits(tw, 17, 2, 2)
     with pytest.raises(ValueError, match="multiple of ksplit"):
         int4_cuda.gemv_ksplit(torch.randn(1, 512, device="cuda", dtype=dtype), tw, ksplit=3, warps=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,rows,ksplit,warps", [
+    (2056, 2048, 32, 1, 8, 8), (777, 1160, 32, 3, 3, 6), (1000, 2048, 32, 16, 8, 16), (2048, 10944, 64, 4, 32, 32),
+    (640, 1536, 64, 9, 1, 2), (2048, 2048, 128, 1, 8, 8), (1536, 2048, -1, 5, 8, 16)])
+@pytest.mark.parametrize("dtype,bias,dequant", [(torch.bfloat16, True, True), (torch.float16, False, True),
+                                                (torch.bfloat16, False, False)])
+def test_gpu_ksplit_scaled_or_not_matches_reference(n, k, group, rows, ksplit, warps, dtype, bias, dequant):
+    """The K split both ways: the weights scaled in x's type before the mma (q s a pair with each half's own group's
+    scale, the mins in fp32; the default with several groups a step) and the scale work after it (the default with
+    one): groups of 32, 64, 128 and per channel, ragged N, K padding, 1-16 rows."""
+    from ktinject.operators.kernels import int4_cuda
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps,
+                                                                   dequant=dequant),
+                            n, k, group, 16, rows, dtype, bias)
 
 
 @pytest.mark.gpu

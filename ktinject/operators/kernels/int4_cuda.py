@@ -592,6 +592,44 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define MLIVE M                                      // rows stored: the call's M < MR
 #endif
 
+#if DQ
+// DQ: the weights scaled in x's type before the mma, q s a pair with each half's own group's scale (rounded once), so
+// D holds sum q s x for any groups a step with one mma a pair; the mins stay in fp32 (+ m X a group and step, X the
+// step sums of x), as exact as before. The scale pairs (lo, hi half) of one row for the pairs of nibbles
+// (0, 1 | 4, 5) [0] and (2, 3 | 6, 7) [1], and (bf16) -128 times them (exact)
+__device__ __forceinline__ u32 pack_half2(u32 lo, u32 hi) {       // two fp16 (low 16 bits each) as x's half type
+#if XBF16
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(h2f((u16)hi)), "f"(h2f((u16)lo)));
+    return r;
+#else
+    return (lo & 0xFFFFu) | (hi << 16);
+#endif
+}
+__device__ __forceinline__ void dq_pairs(const u32 (&p)[GPS], u32 (&S2)[2], u32 (&N2)[2]) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {                    // nibble n < 4 lies in group n / (4 / GPS) .. of the step
+        const int lo = GPS == 4 ? k : 0, hi = GPS == 4 ? k + 2 : (GPS == 2 ? 1 : 0);
+        S2[k] = pack_half2(p[lo] & 0xFFFFu, p[hi] & 0xFFFFu);
+#if XBF16
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(N2[k]) : "r"(S2[k]), "r"(0xC300C300u), "r"(0x80008000u));
+#else
+        N2[k] = 0u;
+#endif
+    }
+}
+__device__ __forceinline__ u32 dq(u32 nib, u32 S2, u32 N2) {      // nibble pair -> q s pair, rounded once
+    u32 t = nib | MAGIC, r;
+#if XBF16
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(S2), "r"(N2));   // (128 + q) s - 128 s
+#else                                                // (fp16: -1024 s could overflow; 1024 + q - 1024 is exact)
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(t), "r"(0x3C003C00u), "r"(0xE400E400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(S2), "r"(0x80008000u));
+#endif
+    return r;
+}
+#endif
+
 // The small matrices' GEMV (mode "ksplit", 1-16 rows of x). The mma's roles are those of ktk_int4_mma
 // swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
 // + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
@@ -643,8 +681,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #pragma unroll
         for (int j = 0; j < GPS; j++) {
             const size_t go = (size_t)min(g0 + j, NG - 1) * N;
-            pa[s][j] = hold ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;
-            pb[s][j] = hold ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+            pa[s][j] = hold || DQ ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;   // (DQ: all lanes)
+            pb[s][j] = hold || DQ ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
         }
     }
 
@@ -700,9 +738,51 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     float acc[NG8][4];                               // per group: (ra, m0), (ra, m1), (rb, m0), (rb, m1)
 #pragma unroll
     for (int h = 0; h < NG8; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+#if DQ
+    float acc2[NG8][4];                              // the second chain of mma
+#pragma unroll
+    for (int h = 0; h < NG8; h++) acc2[h][0] = acc2[h][1] = acc2[h][2] = acc2[h][3] = 0.f;
+#endif
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
         const int st = s_lo + s;
+#if DQ
+        if (st < NSTEP) {
+            u32 Sa[2], Na[2], Sb[2], Nb[2];          // rows ra, rb: the scale pairs and (bf16) -128 x them
+            dq_pairs(pa[s], Sa, Na);
+            dq_pairs(pb[s], Sb, Nb);
+            const u32 va[4] = {wa[s].x, wa[s].y, wa[s].z, wa[s].w};
+            const u32 vb[4] = {wb[s].x, wb[s].y, wb[s].z, wb[s].w};
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const u32 A = va[u], B = vb[u];
+                const u32 a0 = dq(A & 0x000F000Fu, Sa[0], Na[0]), b0 = dq(B & 0x000F000Fu, Sb[0], Nb[0]);
+                const u32 a1 = dq((A >> 4) & 0x000F000Fu, Sa[0], Na[0]), b1 = dq((B >> 4) & 0x000F000Fu, Sb[0], Nb[0]);
+                const u32 a2 = dq((A >> 8) & 0x000F000Fu, Sa[1], Na[1]), b2 = dq((B >> 8) & 0x000F000Fu, Sb[1], Nb[1]);
+                const u32 a3 = dq((A >> 12) & 0x000F000Fu, Sa[1], Na[1]);
+                const u32 b3 = dq((B >> 12) & 0x000F000Fu, Sb[1], Nb[1]);
+#pragma unroll
+                for (int h = 0; h < NG8; h++) {
+                    const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
+                    mma((u & 1) ? acc2[h] : acc[h], a0, b0, a1, b1, xv.x, xv.y);
+                    mma((u & 1) ? acc2[h] : acc[h], a2, b2, a3, b3, xv.z, xv.w);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < NG8; h++) {          // the mins: + m X per group, in fp32
+                if (8 * h + 2 * c < MR) {
+#pragma unroll
+                    for (int j = 0; j < GPS; j++) {
+                        const float X0 = xsum[(m0[h] * NSTEP + st) * GPS + j];
+                        const float X1 = xsum[(m1[h] * NSTEP + st) * GPS + j];
+                        const float Ma = h2f((u16)(pa[s][j] >> 16)), Mb = h2f((u16)(pb[s][j] >> 16));
+                        acc[h][0] += Ma * X0; acc[h][1] += Ma * X1;
+                        acc[h][2] += Mb * X0; acc[h][3] += Mb * X1;
+                    }
+                }
+            }
+        }
+#else
         if (st < NSTEP) {
 #if GPS == 1
             float d[NG8][4], e[NG8][4];              // two chains of mma per group
@@ -781,7 +861,14 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 }
             }
         }
+#endif
     }
+#if DQ
+#pragma unroll
+    for (int h = 0; h < NG8; h++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[h][i] += acc2[h][i];
+#endif
 #if KS > 1
 #pragma unroll
     for (int h = 0; h < NG8; h++) {
@@ -879,7 +966,7 @@ def source(shape) -> str:
     then the kernel."""
     if isinstance(shape, KsplitShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
-                  "EXACT": int(shape.exact), "GPS": shape.groups,
+                  "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant),
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
@@ -1205,6 +1292,7 @@ class KsplitShape:
     nomath: bool = False  # (probe: the loads and the loop only, no unpacking or mma)
     exact: bool = True    # the call's rows are `rows` (else fewer: the staging clamps its row index)
     groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
+    dequant: bool = False  # the weights scaled in x's type before the mma (q s a pair, one rounding; mins in fp32)
 
 
 def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1) -> int:
@@ -1261,11 +1349,12 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
 
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
-                occupancy: int = 32, nomath: bool = False) -> torch.Tensor:
+                occupancy: int = 32, nomath: bool = False, dequant: bool | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
-    bound asks for."""
+    bound asks for. `dequant`: scale the weights in x's type before the mma (one mma a pair for any groups a step);
+    None: where a step holds several groups (groups of 32 and 64), where it measured faster."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
@@ -1278,9 +1367,11 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy)
     mr = ksplit_rows(m)
     groups = ksplit_groups(w)
+    if dequant is None:
+        dequant = groups > 1
     smem = ksplit_shared_bytes(mr, kw, warps, ks, groups)
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, x.dtype == torch.bfloat16, bias is not None, min_blocks,
-                        nomath, m == mr, groups)
+                        nomath, m == mr, groups, dequant)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,

@@ -303,6 +303,8 @@ class TiledConfig:
     chunk: int = 16                 # mode rows: tiles per load wave (power of two); rows never splits K
     #                                 mode cuda: 128-word steps per load batch; mma, diag: 16-word steps
     ctas: int = 0                   # modes mma, diag: blocks per SM of a persistent grid (0: a warp per 8 rows)
+    dequant: bool | None = None     # mode ksplit: the weights scaled in x's type before the mma (None: with
+    #                                 several groups a 128-input step, where it measured faster)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -742,7 +744,7 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
             if cfg.mode == "ksplit":
-                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps)
+                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps, dequant=cfg.dequant)
             if cfg.mode == "diag":
                 return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
                                            stages=cfg.num_stages if cfg.num_stages > 1 else 0)
@@ -864,9 +866,15 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     (102400, 2048, 128, 4): TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16),   # 58.6 / 113.1 / 85.8 (cp.async ring; 66.8-71.4 without)
     (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
     # the dense down (K = 10944, groups of 64: two a step), measured on an H100 on 2026-12-06
-    # (scripts/int4_ksplit_probe.py --group 64 [--rows 4], thirty-first session): us ours / bf16 / the config before
-    (2048, 10944, 64, 1): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 13.28 / 20.28 / 13.13 (fma, pack 32)
-    (2048, 10944, 64, 4): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 15.87 / 20.76 / 34.25 (dot_x)
+    # (scripts/int4_ksplit_probe.py --group 64 [--rows 4], thirty-first session): us ours / bf16 / the config before;
+    # since the thirty-second session the weights are scaled before the mma there (dequant, `--dequant`: us then /
+    # bf16 / the same config without it, on another H100)
+    (2048, 10944, 64, 1): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 13.28 / 20.28 / 13.13 (fma, pack 32); 11.87 / 20.74 / 13.46
+    (2048, 10944, 64, 4): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 15.87 / 20.76 / 34.25 (dot_x); 14.67 / 20.70 / 16.16
+    # groups of 32 (the GGUF Q4_0 / Q4_K repack) with the weights scaled before the mma (dequant), measured on an
+    # H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 --dequant, thirty-second session): us ours / bf16 /
+    # tinygemm (which runs at groups of 32 elsewhere)
+    (2048, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 3.97 / 6.35 / 4.32
     # one row, K split (ksplit): measured on the H200 on 2026-12-04 (scripts/int4_ksplit_probe.py, twentieth
     # session, device run 1): us ours / bf16 / tinygemm (the config before: us)
     (21888, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 12.11 / 25.40 / 15.28 (diag 12.63)
@@ -964,8 +972,9 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
     smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows, and 5-16 up
     to 70 MB of bf16: it beat ours there on every shape measured (where it cannot run, the K-split kernel does at
     1-4 rows)."""
-    if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:     # (the exact shapes: groups of 128)
-        return {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
+    if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
+        small = {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
+        return {b for b in small if (n, k, group, b) not in TUNED}   # (a tuned small-group entry beat it)
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
         return set(hit)
