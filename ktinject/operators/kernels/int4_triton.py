@@ -970,8 +970,8 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
     then the exact shape, then its class). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
     there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...). With groups
     smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows, and 5-16 up
-    to 70 MB of bf16: it beat ours there on every shape measured (where it cannot run, the K-split kernel does at
-    1-4 rows)."""
+    to 70 MB of bf16, but no bucket TUNED holds: it beat ours there on every other shape measured (where it cannot
+    run, the K-split kernel does at 1-4 rows)."""
     if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
         small = {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
         return {b for b in small if (n, k, group, b) not in TUNED}   # (a tuned small-group entry beat it)
