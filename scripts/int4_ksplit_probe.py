@@ -7,8 +7,9 @@ next to bf16, the plain read of the same bytes, `linear_int4`'s path today and t
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
 over a grid of (ksplit, warps a block, occupancy), each config as it is and with its unpacking and mma
-removed (`nomath`), with the registers a thread takes. `--dequant`: each config also with its weights dequantized to
-x's type before the mma (`gemv_ksplit(dequant=True)`).
+removed (`nomath`), with the registers a thread takes. Each config runs as `gemv_ksplit` defaults (the weights
+scaled before the mma where a step holds several groups); `--dequant`: each config both ways (`dequant=False`,
+`True`; `nomath` only for the unscaled one, whose math it removes).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def check_all() -> int:
         bad += not (ok and same)
         print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps}: "
               f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
-              f"{' (dequant)' if dq else ''}",
+              f"{' (scaled before the mma)' if dq else ''}",
               flush=True)
     return bad
 
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
-    ap.add_argument("--dequant", action="store_true", help="each config also with dequantized weights (dequant=True)")
+    ap.add_argument("--dequant", action="store_true", help="each config both ways: weights scaled before the mma or not")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()
@@ -100,10 +101,11 @@ def main(argv=None) -> int:
         rows = []
         for ks in sorted({s for s in (4, 8, 16, 32) if s <= steps}):
             for warps in sorted({ks, 2 * ks} & set(range(1, 33))):
-                for occ, dq in [(o, d) for o in (16, 32) for d in ((False, True) if a.dequant else (False,))]:
+                for occ, dq in [(o, d) for o in (16, 32) for d in ((False, True) if a.dequant else (None,))]:
+                    scaled = dq if dq is not None else C.ksplit_groups(w0) > 1     # (gemv_ksplit's default)
                     try:
                         res = []
-                        for nomath in ((False,) if dq else (False, True)):
+                        for nomath in ((False,) if scaled else (False, True)):
                             y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, nomath=nomath, dequant=dq)
                             torch.cuda.synchronize()
                             if not nomath:
@@ -116,8 +118,8 @@ def main(argv=None) -> int:
                         res += [float("nan")] * (2 - len(res))
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
                         shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
-                                              False, minb, groups=C.ksplit_groups(w0), dequant=dq)
-                        rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' dq' if dq else ''}",
+                                              False, minb, groups=C.ksplit_groups(w0), dequant=scaled)
+                        rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' scaled' if scaled else ''}",
                                      regs(shape, idx)))
                     except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
                         print(f"  ks{ks} w{warps} occ{occ} dq {dq}: {type(exc).__name__}: {str(exc)[:120]}")
