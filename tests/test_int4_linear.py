@@ -481,9 +481,9 @@ def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warp
 @pytest.mark.parametrize("dtype,bias,dequant", [(torch.bfloat16, True, True), (torch.float16, False, True),
                                                 (torch.bfloat16, False, False)])
 def test_gpu_ksplit_scaled_or_not_matches_reference(n, k, group, rows, ksplit, warps, dtype, bias, dequant):
-    """The K split both ways: the weights scaled in x's type before the mma (q s a pair with each half's own group's
-    scale, the mins in fp32; the default with several groups a step) and the scale work after it (the default with
-    one): groups of 32, 64, 128 and per channel, ragged N, K padding, 1-16 rows."""
+    """The K split both ways: the weights scaled in x's type before the mma ((q - 8) s a pair with each half's own
+    group's scale, the mins m + 8 s in fp32; the default with several groups a step) and the scale work after it (the
+    default with one): groups of 32, 64, 128 and per channel, ragged N, K padding, 1-16 rows."""
     from ktinject.operators.kernels import int4_cuda
     _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps,
                                                                    dequant=dequant),

@@ -1352,7 +1352,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
     bound asks for. `dequant`: scale the weights in x's type before the mma (one mma a pair for any groups a step);
-    None: where a step holds several groups (groups of 32 and 64), where it measured faster."""
+    None: where a step holds several groups (groups of 32 and 64), where it measured faster. `nomath` (probe: the
+    loads and loop alone) applies to the unscaled path only."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
@@ -1367,6 +1368,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     groups = ksplit_groups(w)
     if dequant is None:
         dequant = groups > 1
+    if nomath and dequant:
+        raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
     smem = ksplit_shared_bytes(mr, kw, warps, ks, groups)
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, x.dtype == torch.bfloat16, bias is not None, min_blocks,
                         nomath, m == mr, groups, dequant)
