@@ -3,17 +3,21 @@
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
     python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32] [--dequant]
+    python3 scripts/int4_ksplit_probe.py --rows 16 --kblocks 1,2,4,8,16 [--shapes ...]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
 over a grid of (ksplit, warps a block, occupancy), each config as it is and with its unpacking and mma
 removed (`nomath`), with the registers a thread takes. Each config runs as `gemv_ksplit` defaults (the weights
 scaled before the mma where a step holds several groups); `--dequant`: each config both ways (`dequant=False`,
-`True`; `nomath` only for the unscaled one, whose math it removes).
+`True`; `nomath` only for the unscaled one, whose math it removes). `--kblocks`: instead of that grid, K split over
+blocks too (each of the listed counts) with 1-32 tiles a block and 8, 16 or 32 warps (where a warp takes at most
+four steps and the grid holds 96-8192 blocks; 8 warps at 16 and 32 warps an SM); no `nomath` there.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -28,7 +32,7 @@ from int4_grid_probe import reference_paths, regs, shape_setup  # noqa: E402  (t
 def check_all() -> int:
     bad = 0
     g = torch.Generator(device="cpu").manual_seed(3)
-    cases = [  # (n, k, group, pack, rows, dtype, bias, ksplit, warps)
+    cases = [  # (n, k, group, pack, rows, dtype, bias, ksplit, warps[, kblocks])
         (2048, 2048, 128, 16, 1, torch.bfloat16, False, 16, 16),
         (2056, 2048, 128, 16, 1, torch.bfloat16, True, 8, 16),
         (1000, 4096, 256, 32, 2, torch.bfloat16, False, 16, 16),
@@ -44,9 +48,15 @@ def check_all() -> int:
         (2056, 1160, 32, 16, 5, torch.float16, True, 3, 6),
         (2048, 10944, 64, 16, 4, torch.bfloat16, True, 32, 32),
         (1000, 2048, 64, 16, 16, torch.bfloat16, False, 8, 16),
+        (4096, 4096, 128, 16, 16, torch.bfloat16, True, 2, 32, 8),    # K over blocks too
+        (2056, 10944, 64, 16, 16, torch.bfloat16, True, 2, 32, 16),   # (86 steps: 15 blocks of 6, the last 2)
+        (1000, 4096, 256, 32, 13, torch.float16, False, 4, 16, 3),
+        (2048, 2048, 32, 16, 8, torch.bfloat16, False, 1, 16, 16),
+        (640, 1160, 128, 16, 5, torch.bfloat16, True, 2, 8, 4),
     ]
-    for (n, k, group, pack, rows, dt, with_bias, ks, warps), dq in [(c, False) for c in cases] + [
-            (c, True) for c in cases if c[3] == 16]:
+    for case, dq in [(c, False) for c in cases] + [(c, True) for c in cases if c[3] == 16]:
+        n, k, group, pack, rows, dt, with_bias, ks, warps = case[:9]
+        kb = case[9] if len(case) > 9 else 1
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
         tw = P.tile(iw, pack).to("cuda")
         x = torch.randn(rows, k, generator=g).to("cuda", dt)
@@ -55,22 +65,50 @@ def check_all() -> int:
         if b is not None:
             ref = ref + b.float()
         try:
-            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq)
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             ok = err < 1e-2 and worst < 3e-2
-            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq)
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
             same = torch.equal(again, y)
         except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
             ok, same, err, worst = False, False, float("nan"), float("nan")
             print(f"  {type(exc).__name__}: {str(exc)[:300]}")
         bad += not (ok and same)
-        print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps}: "
+        print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps} kb{kb}: "
               f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
               f"{' (scaled before the mma)' if dq else ''}",
               flush=True)
     return bad
+
+
+def kblocks_grid(x, w0, ref, copies, a, steps, idx) -> list:
+    """(seconds, nan, name, registers) of K split over blocks too: kblocks x tiles a block x warps."""
+    rows, n_tiles = [], -(-w0.qweight.shape[0] // 16)
+    for kb, spb in sorted({C.ksplit_kblocks(steps, int(v)) for v in a.kblocks.split(",")}):
+        for tpb, warps, occ in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (16, 32)):
+            ks = warps // tpb
+            if ks < 1 or ks > spb or -(-spb // ks) > 4 or not 96 <= -(-n_tiles // tpb) * kb <= 8192 or \
+                    (warps, occ) in ((16, 32), (32, 16)):
+                continue
+            name = f"kb{kb:<2} tiles{tpb:<2} ks{ks:<2} w{warps:<2} occ{occ}"
+            try:
+                y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, kblocks=kb)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    raise RuntimeError(f"wrong (rel err {err:.2g})")
+                t = graph_time([lambda w=w: C.gemv_ksplit(x, w, ksplit=ks, warps=warps, occupancy=occ,
+                                                          kblocks=kb) for w in copies], a.reps)
+                _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ, kb)
+                shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True, False,
+                                      minb, groups=C.ksplit_groups(w0), dequant=C.ksplit_groups(w0) > 1,
+                                      kblocks=kb)
+                rows.append((t, float("nan"), name, regs(shape, idx)))
+            except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
+                print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -82,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
     ap.add_argument("--dequant", action="store_true", help="each config both ways: weights scaled before the mma or not")
+    ap.add_argument("--kblocks", default="", help="comma list: K split over that many blocks too (its own grid)")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()
@@ -99,7 +138,9 @@ def main(argv=None) -> int:
                       f"Triton class ({tri.mode})"))
         steps = k // 128
         rows = []
-        for ks in sorted({s for s in (4, 8, 16, 32) if s <= steps}):
+        if a.kblocks:
+            rows = kblocks_grid(x, w0, ref, copies, a, steps, idx)
+        for ks in [] if a.kblocks else sorted({s for s in (4, 8, 16, 32) if s <= steps}):
             for warps in sorted({ks, 2 * ks} & set(range(1, 33))):
                 for occ, dq in [(o, d) for o in (16, 32) for d in ((False, True) if a.dequant else (None,))]:
                     scaled = dq if dq is not None else C.ksplit_groups(w0) > 1     # (gemv_ksplit's default)

@@ -311,10 +311,10 @@ def test_shape_classes_hold_only_triton_modes():
         assert cfg.mode == "diag" and cfg.pack == 16
     assert T.tiled_config(1, 151936, 2048, 128).mode == "diag"  # (Qwen3's lm_head: the CUDA class)
     assert T.tiled_config(1, 151936, 4096, 128).mode == "fma"   # (taller K: not measured with it)
-    assert T.tiled_config(16, 151936, 2048, 128).mode == "dot_x" and T.tiled_config(1, 4096, 2048, 128).mode == "ksplit"
+    assert T.tiled_config(16, 151936, 2048, 128).mode == "ksplit" and T.tiled_config(1, 4096, 2048, 128).mode == "ksplit"
     assert T.tinygemm_buckets(11008, 2048, 128) == set() and T.tinygemm_buckets(5000, 2048, 128) == set()
     # where the CUDA class cannot run (groups smaller than a tile, or no CUDA kernels) the class entry stands
-    assert T.tinygemm_buckets(11008, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(11008, 2048, 128, cuda_ok=False) == {1}
+    assert T.tinygemm_buckets(11008, 2048, 32) == {1, 4} and T.tinygemm_buckets(11008, 2048, 128, cuda_ok=False) == {1}
     assert T.tiled_config(1, 151936, 2048, 64).mode == "fma" and T.tiled_config(1, 151936, 2048, 2048).mode == "diag"
     # one row up to 100 MB of bf16 and K <= 8192: the K-split kernel, two 128-input steps a warp
     for n, k, ks in ((5000, 2048, 8), (1536, 7168, 28), (2048, 8192, 32), (3000, 512, 2), (200, 100, 1)):
@@ -325,17 +325,28 @@ def test_shape_classes_hold_only_triton_modes():
     # groups of 32 and 64 (several a step) take it too; 16 (a pair of slices) does not
     assert T.tiled_config(1, 5000, 2048, 64).mode == "ksplit" and T.tiled_config(4, 5000, 2048, 32).mode == "ksplit"
     assert T.tiled_config(1, 5000, 2048, 16).mode == "rows" and T.tiled_pack(5000, 2048, 32) == 16
-    # ... but tinygemm keeps the buckets its class entry names at groups below 128 (it measured faster there), except
-    # where a tuned entry beat it (2048 x 2048 at one row: the K split with the weights scaled before the mma)
-    assert T.tinygemm_buckets(2048, 2048, 32) == {4, 16} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4, 16}
+    # ... but tinygemm keeps 1-4 rows at groups below 128 (it measured faster there), except where a tuned entry beat
+    # it (2048 x 2048 at one row: the K split with the weights scaled before the mma); 5-16 rows: the K split over
+    # blocks (it beat tinygemm at 16 rows on every shape measured)
+    assert T.tinygemm_buckets(2048, 2048, 32) == {4} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4}
     assert T.tiled_config(1, 2048, 2048, 32).dequant is None and T.tiled_config(1, 2048, 2048, 32).mode == "ksplit"
-    assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}       # (past 70 MB dot_x won at 16 rows)
-    assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4, 16} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
-    assert T.tiled_config(16, 5000, 2048, 32).mode == "dot_x"      # (5-16 rows: the class config lost to dot_x)
+    assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}
+    assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
     assert T.tinygemm_buckets(2048, 2048, 128) == set() and T.tinygemm_buckets(2048, 2048, 2048) == set()
-    cfg = T.tiled_config(5, 5000, 2048, 128)                       # 5-16 rows: two tiles a block
-    assert (cfg.mode, cfg.chunk, cfg.num_warps, cfg.block_n) == ("ksplit", 8, 16, 32)
-    assert T.tiled_config(16, 5000, 8192, 128).num_warps == 32 and T.tiled_config(16, 60000, 2048, 128).mode == "dot_x"
+    # 5-16 rows: K over blocks too, 8 tiles a block, a warp a tile: one step a warp up to K = 2048, two past it, no
+    # more blocks over K than 32 MB of fp32 parts allow (then the tile's warps split the steps); 16 warps an SM
+    # where the weights are scaled before the mma (groups of 32 and 64)
+    for (n, k, g), (kb, ks, warps, occ) in {(5000, 2048, 128): (16, 1, 8, 32), (5000, 8192, 128): (32, 1, 8, 32),
+                                            (60000, 2048, 128): (8, 1, 8, 32), (5000, 2048, 32): (16, 1, 8, 16),
+                                            (151936, 2048, 128): (3, 2, 16, 32), (151936, 8192, 128): (3, 6, 30, 32),
+                                            (640, 1160, 64): (10, 1, 8, 16)}.items():
+        for m in (5, 8, 16):
+            cfg = T.tiled_config(m, n, k, g)
+            assert (cfg.mode, cfg.kblocks, cfg.chunk, cfg.num_warps, cfg.occupancy) == ("ksplit", kb, ks, warps, occ)
+            assert cfg.block_n == 16 * (warps // ks) and cfg.pack == 16
+    cfg = T.tiled_config(16, 5000, 16384, 128)                 # (any K: a block stages its own 2 steps of x)
+    assert (cfg.mode, cfg.kblocks, cfg.chunk) == ("ksplit", 64, 1) and T.tiled_config(16, 5000, 2048, 16).mode == "dot_x"
+    assert T.tiled_config(9, 2048, 10944, 128).kblocks == 43 and T.tiled_config(1, 2048, 10944, 128).mode == "fma"
     assert T.tinygemm_buckets(5000, 2048, 128, cuda_ok=False) == {1, 4}
     assert all(c.block_n == 16 * (c.num_warps // c.chunk) for c in T.TUNED.values() if c.mode == "ksplit")
     for (n, k, g, rows), cfg in T.TUNED.items():      # one pack per shape (the layout is made once)
@@ -369,6 +380,13 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     assert "one group a tile with pack 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 512), 64), 32),
                                                                      1, 2, 2)
     assert "pack 16 or 32" in int4_cuda.ksplit_fits(P.tile(P.quantize(torch.randn(8, 256), 64), 8), 1, 2, 2)
+    # K split over blocks: no block without steps, each block's shared memory for its own steps only
+    assert int4_cuda.ksplit_kblocks(86, 16) == (15, 6) and int4_cuda.ksplit_kblocks(86, 10) == (10, 9)
+    assert int4_cuda.ksplit_kblocks(32, 8) == (8, 4) and int4_cuda.ksplit_kblocks(3, 9) == (3, 1)
+    assert int4_cuda.ksplit_kblocks(32, 1) == (1, 32) and int4_cuda.ksplit_kblocks(5, 0) == (1, 5)
+    one = int4_cuda.ksplit_shared_bytes(16, 1376, 32, 2, 2)
+    assert int4_cuda.ksplit_shared_bytes(16, 1376, 32, 2, 2, kblocks=16) < one / 5   # (x: 28 of 407 KiB)
+    assert "kblocks must be >= 1" in int4_cuda.ksplit_fits(tw, 1, 2, 2, kblocks=0)
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
@@ -491,6 +509,53 @@ def test_gpu_ksplit_scaled_or_not_matches_reference(n, k, group, rows, ksplit, w
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,pack,rows,ksplit,warps,kblocks", [
+    (4096, 4096, 128, 16, 16, 2, 32, 8), (2056, 10944, 64, 16, 16, 2, 32, 16), (1000, 4096, 256, 32, 13, 4, 16, 3),
+    (2048, 2048, 32, 16, 8, 1, 16, 16), (640, 1160, 128, 16, 5, 2, 8, 4), (777, 392, 128, 16, 1, 1, 4, 3),
+    (1536, 2048, -1, 16, 4, 2, 8, 4), (300, 20480, 128, 16, 2, 4, 32, 40)])
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float16, False)])
+def test_gpu_ksplit_over_blocks_matches_reference(n, k, group, pack, rows, ksplit, warps, kblocks, dtype, bias):
+    """K split over blocks too (kblocks): each block stages x for its own steps and leaves fp32 parts that a second
+    kernel adds in order with the bias. A last block with fewer steps (86 steps in 14 x 6 + 2, 10 in 3 + 3 + 3 + 1),
+    fewer blocks than asked (4 steps in 3: 2 + 2), pack 32 blocks starting inside a tile, groups
+    of 32 and 64 scaled before the mma, per channel, K padding, 1-16 rows, bf16 and fp16; the same bits twice and
+    the same values as the one-block kernel where that fits."""
+    from ktinject.operators.kernels import int4_cuda
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps,
+                                                                   kblocks=kblocks),
+                            n, k, group, pack, rows, dtype, bias)
+    torch.manual_seed(1)
+    tw = P.tile(P.quantize(torch.randn(n, k, device="cuda") * 0.02, k if group == -1 else group), pack)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    split = int4_cuda.gemv_ksplit(x, tw, ksplit=ksplit, warps=warps, kblocks=kblocks).float()
+    why = int4_cuda.ksplit_fits(tw, rows, ksplit, warps, 0)
+    if why is None:
+        one = int4_cuda.gemv_ksplit(x, tw, ksplit=ksplit, warps=warps).float()
+        assert (split - one).abs().max() <= 2e-2 * one.abs().max()   # (rounded once at the end both ways)
+    else:                        # 16 rows of 10944 inputs: staged whole, x does not fit in one block
+        assert k > 10000 and "do not fit in shared memory (kblocks > 1 stages a slice" in why
+
+
+@pytest.mark.gpu
+def test_gpu_ksplit_over_blocks_in_a_cuda_graph():
+    """The two kernels of a K split over blocks (the parts, then their sum) replay in a CUDA graph with new x."""
+    from ktinject.operators.kernels import int4_cuda
+    torch.manual_seed(0)
+    tw = P.tile(P.quantize(torch.randn(2048, 10944, device="cuda") * 0.02, 64), 16)
+    x = torch.randn(16, 10944, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    run = lambda: int4_cuda.gemv_ksplit(x, tw, bias, ksplit=2, warps=32, kblocks=16)   # noqa: E731
+    want = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.mul_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out.float(), (2 * bias.float() - want.float()), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_gemv_in_a_cuda_graph():
     from ktinject.operators.kernels import int4_cuda, int4_triton as T
     torch.manual_seed(0)
@@ -517,11 +582,12 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
                                             ((102400, 2048), 1, "diag"),
                                             ((102400, 2048), 2, "diag"), ((102400, 2048), 3, "diag"),
                                             ((30000, 2048), 4, "diag"), ((20000, 2048), 4, "ksplit"),
-                                            ((5000, 2048), 3, "ksplit"), ((5000, 2048), 12, "ksplit")])
+                                            ((5000, 2048), 3, "ksplit"), ((5000, 2048), 12, "ksplit"),
+                                            ((102400, 2048), 16, "ksplit"), ((2048, 10944), 9, "ksplit")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_linear_int4_cuda_modes_load_and_capture(shape, rows, mode, dtype):
     """A layer whose config is a CUDA mode (tuned, or the CUDA class: diag for 30000 x 2048, ksplit for 20000 x
-    2048, 5000 x 2048 and 5000 x 1536) compiles at load every binary its rows bucket can need (with its bias,
+    2048, 5000 x 2048 and 5000 x 1536; at 5-16 rows the K split over blocks, two kernels) compiles at load every binary its rows bucket can need (with its bias,
     both dtypes): a CUDA-graph capture of its forward, before any eager call, then compiles nothing, and
     replays equal the eager result."""
     torch.manual_seed(0)

@@ -26,6 +26,8 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   K split over the warps of a block (a few warps a 16-row tile, each a slice of K, sums added in a fixed
   order in shared memory): the small and mid-size matrices get every SM busy with all their loads in flight.
   Groups of 32 and 64 (pack 16) too: each mma then runs on the low and on the high halves of its pairs apart.
+  `kblocks` > 1 splits K over blocks as well (5-16 rows): a block of many tiles stages x for its own steps
+  only, leaves fp32 parts, and `ktk_int4_ksplit_sum` adds them in order (docs/gpu.md "The K split over blocks").
 
 Measured (docs/gpu.md): `cuda` and `mma` reach ~2.0 TB/s on the lm_head, like the Triton kernels
 (Nsight Compute: ~190 warp instructions per 1024 weights for mma, of which its inner loop needs 36);
@@ -578,8 +580,9 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
 """
 
 _KSPLIT_SOURCE = _TC_PRELUDE + r"""
-#define SPW ((NSTEP + KS - 1) / KS)                  // steps a warp takes
-#define KWC (NSTEP * 16)                             // words a row
+#define SPB ((NSTEP + KB - 1) / KB)                  // steps a block takes (KB blocks split K, blockIdx.y)
+#define SPW ((SPB + KS - 1) / KS)                    // steps a warp takes
+#define KWC (SPB * 16)                               // words of a row a block stages
 #define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
 #define TR 16                                        // rows a tile (the mma's 16 A rows)
 #define NG8 ((MR + 7) / 8)                           // groups of 8 x rows (the 8 B columns of an mma)
@@ -628,6 +631,20 @@ __device__ __forceinline__ u32 dq(u32 nib, u32 S2) {              // nibble pair
 }
 #endif
 
+// One output of the tile: y (+ bias) in x's type, or (KB > 1) the block's fp32 part of it, ws[blockIdx.y][m][n]
+// (ktk_int4_ksplit_sum then adds the KB parts in order, and the bias)
+__device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__ ws, const u16* __restrict__ bias,
+                                      int n, int m, int N, int M, int stride_om, float y) {
+#if KB > 1
+    ws[((size_t)blockIdx.y * M + m) * N + n] = y;
+#else
+#if HAS_BIAS
+    y += to_f32(bias[n]);
+#endif
+    out[(size_t)m * stride_om + n] = from_f32(y);
+#endif
+}
+
 // The small matrices' GEMV (mode "ksplit", 1-16 rows of x). The mma's roles are those of ktk_int4_mma
 // swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
 // + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
@@ -647,20 +664,29 @@ __device__ __forceinline__ u32 dq(u32 nib, u32 S2) {              // nibble pair
 // high half a bf16 zero) and once on the high halves: the first mma of a word (nibbles 0, 1 | 4, 5) and the
 // second (2, 3 | 6, 7) each give one group of 32 a half, and D is kept per group (the tensor cores have the
 // time: the weights' loads bound the kernel). X is staged per group.
+// KB > 1 splits K over blocks too (blockIdx.y takes SPB consecutive steps): a block then stages x for its own
+// steps only, so at 8-16 rows a block can hold many tiles (x staged once for all of them) and the grid still
+// fills the GPU; each block leaves fp32 parts that ktk_int4_ksplit_sum adds.
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
                 const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
-                int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm, int stride_om, int xvec)
+                float* __restrict__ ws, int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm,
+                int stride_om, int xvec)
 {
     extern __shared__ u32 smem[];
-    u32* xp = smem;                                  // [MR][KWP] x pairs
-    float* xsum = (float*)(smem + MR * KWP);         // [MR][NSTEP][GPS] sum of x over each step's groups
-    float* part = xsum + MR * NSTEP * GPS;           // [WARPS][TR][MR] each warp's sums (KS > 1)
+    u32* xp = smem;                                  // [MR][KWP] x pairs of the block's steps
+    float* xsum = (float*)(smem + MR * KWP);         // [MR][SPB][GPS] sum of x over each step's groups
+    float* part = xsum + MR * SPB * GPS;             // [WARPS][TR][MR] each warp's sums (KS > 1)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const int KQ = KWC / 4;
+    const int KQ = NSTEP * 4;                        // 16-byte words of a row (KWC: of a block's steps)
     const int n_tiles = (N + TR - 1) / TR;
     const int nt = blockIdx.x * (WARPS / KS) + warp / KS;
-    const int s_lo = (warp % KS) * SPW;
+#if KB > 1
+    const int s0 = blockIdx.y * SPB, nsb = min(SPB, NSTEP - s0);   // the block's first step, its step count
+#else
+    const int s0 = 0, nsb = NSTEP;                   // (compile-time: the one-block code as before)
+#endif
+    const int s_lo = (warp % KS) * SPW;              // the warp's first step (of the block's)
     const bool hold = 2 * c < MR;                    // this lane's D columns 2 c, 2 c + 1 hold x rows
     const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
 
@@ -668,13 +694,13 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
-        const bool ok = nt < n_tiles && s_lo + s < NSTEP;
-        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
-        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+        const bool ok = nt < n_tiles && s_lo + s < nsb;
+        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
-        const int st = min(s_lo + s, NSTEP - 1);
+        const int st = s0 + min(s_lo + s, nsb - 1);
         const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
 #pragma unroll
         for (int j = 0; j < GPS; j++) {
@@ -688,10 +714,10 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     // j0 .. j0 + 7 of slice i = r / 2 of its tile (j0 = the step's first word in the tile + 8 (r % 2)): one
     // 16-byte load where x allows (xvec), 8 two-byte stores 16 bytes apart (words j0 .. j0 + 7 of the pair
     // array, pair slot a = i % 4, half i / 4), and the 16 threads' sums added by shuffles
-    for (int base = warp * 32; base < MR * NSTEP * 16; base += NT) {
-        const unsigned idx = base + lane, m = idx / (NSTEP * 16), st = (idx / 16) % NSTEP, r = idx % 16;
-        const bool ok = idx < MR * NSTEP * 16;
-        const unsigned i = r / 2, tile = st * 16 / P, j0 = st * 16 % P + (r % 2) * 8;
+    for (int base = warp * 32; base < MR * SPB * 16; base += NT) {
+        const unsigned idx = base + lane, m = idx / (SPB * 16), sl = (idx / 16) % SPB, r = idx % 16;
+        const bool ok = idx < MR * SPB * 16 && (int)sl < nsb;
+        const unsigned st = s0 + sl, i = r / 2, tile = st * 16 / P, j0 = st * 16 % P + (r % 2) * 8;
         const int k0 = tile * 8 * P + i * P + j0;
 #if EXACT                                            // (M == MR: no clamp; the staging compiles tighter without it)
         const u16* xm = x + (size_t)(ok ? m : 0) * stride_xm;
@@ -709,7 +735,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         }
         float sum = 0.f;
         if (ok) {
-            const unsigned wc0 = tile * P + j0;
+            const unsigned wc0 = sl * 16 + (r % 2) * 8;   // (tile * P + j0 - 16 s0: the block's own words)
             u16* dst = (u16*)(xp + m * KWP + wc0 * 4 + (wc0 >> 3) * 4 + (i % 4)) + (i / 4);
 #pragma unroll
             for (int e = 0; e < 8; e++) {
@@ -720,7 +746,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         }
 #pragma unroll                                       // (a group's sum: its 16 / GPS threads, 8 / GPS slices)
         for (int off = 8 / GPS; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (ok && r % (16 / GPS) == 0) xsum[(m * NSTEP + st) * GPS + r / (16 / GPS)] = sum;
+        if (ok && r % (16 / GPS) == 0) xsum[(m * SPB + sl) * GPS + r / (16 / GPS)] = sum;
     }
     __syncthreads();
 
@@ -743,9 +769,9 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #endif
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
-        const int st = s_lo + s;
+        const int st = s_lo + s;                     // (of the block's steps)
 #if DQ
-        if (st < NSTEP) {
+        if (st < nsb) {
             u32 Sa[2], Sb[2];                        // rows ra, rb: the scale pairs
             dq_pairs(pa[s], Sa);
             dq_pairs(pb[s], Sb);
@@ -770,8 +796,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 if (8 * h + 2 * c < MR) {
 #pragma unroll
                     for (int j = 0; j < GPS; j++) {
-                        const float X0 = xsum[(m0[h] * NSTEP + st) * GPS + j];
-                        const float X1 = xsum[(m1[h] * NSTEP + st) * GPS + j];
+                        const float X0 = xsum[(m0[h] * SPB + st) * GPS + j];
+                        const float X1 = xsum[(m1[h] * SPB + st) * GPS + j];
                         const float Ma = h2f((u16)(pa[s][j] >> 16)) + 8.f * h2f((u16)(pa[s][j] & 0xFFFFu));
                         const float Mb = h2f((u16)(pb[s][j] >> 16)) + 8.f * h2f((u16)(pb[s][j] & 0xFFFFu));
                         acc[h][0] += Ma * X0; acc[h][1] += Ma * X1;
@@ -781,7 +807,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
             }
         }
 #else
-        if (st < NSTEP) {
+        if (st < nsb) {
 #if GPS == 1
             float d[NG8][4], e[NG8][4];              // two chains of mma per group
 #pragma unroll
@@ -837,7 +863,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 if (8 * h + 2 * c < MR) {
 #pragma unroll
                     for (int j = 0; j < GPS; j++) {
-                        const float X0 = xsum[(m0[h] * NSTEP + st) * GPS + j], X1 = xsum[(m1[h] * NSTEP + st) * GPS + j];
+                        const float X0 = xsum[(m0[h] * SPB + st) * GPS + j], X1 = xsum[(m1[h] * SPB + st) * GPS + j];
                         const float Sa = h2f((u16)(pa[s][j] & 0xFFFFu)), Ma = h2f((u16)(pa[s][j] >> 16));
                         const float Sb = h2f((u16)(pb[s][j] & 0xFFFFu)), Mb = h2f((u16)(pb[s][j] >> 16));
 #if GPS == 1
@@ -887,10 +913,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 float y = 0.f;
 #pragma unroll
                 for (int s = 0; s < KS; s++) y += part[((warp + s) * TR + r) * MR + m];
-#if HAS_BIAS
-                y += to_f32(bias[n]);
-#endif
-                out[(size_t)m * stride_om + n] = from_f32(y);
+                store(out, ws, bias, n, m, N, M, stride_om, y);
             }
         }
     }
@@ -901,17 +924,29 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const int n = nt * TR + g + (q >> 1) * 8, m = 8 * h + 2 * c + (q & 1);
-                if (n < N && m < MLIVE) {
-                    float y = acc[h][q];
-#if HAS_BIAS
-                    y += to_f32(bias[n]);
-#endif
-                    out[(size_t)m * stride_om + n] = from_f32(y);
-                }
+                if (n < N && m < MLIVE) store(out, ws, bias, n, m, N, M, stride_om, acc[h][q]);
             }
         }
     }
 #endif
+}
+"""
+
+_KSPLIT_SUM_SOURCE = _PRELUDE + r"""
+// The K-split GEMV's blocks over K (KB > 1) leave fp32 parts ws[KB][M][N]: out[m][n] = their sum, in order
+// (deterministic), + bias, in x's type
+extern "C" __global__ void ktk_int4_ksplit_sum(const float* __restrict__ ws, const u16* __restrict__ bias,
+                                               u16* __restrict__ out, int N, int M, int KB_, int stride_om)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= M * N) return;
+    const int m = i / N, n = i - m * N;
+    float y = 0.f;
+    for (int b = 0; b < KB_; b++) y += ws[((size_t)b * M + m) * N + n];
+#if HAS_BIAS
+    y += to_f32(bias[n]);
+#endif
+    out[(size_t)m * stride_om + n] = from_f32(y);
 }
 """
 
@@ -953,7 +988,8 @@ def _binary(shape, device_index: int):
     api = _compile_api()
     if api is None:
         raise RuntimeError("this torch has no torch.cuda._compile_kernel (NVRTC); the CUDA int4 GEMV needs torch >= 2.8")
-    name = ("ktk_int4_ksplit" if isinstance(shape, KsplitShape) else "ktk_int4_diag" if isinstance(shape, DiagShape)
+    name = ("ktk_int4_ksplit" if isinstance(shape, KsplitShape) else "ktk_int4_ksplit_sum"
+            if isinstance(shape, KsplitSumShape) else "ktk_int4_diag" if isinstance(shape, DiagShape)
             else "ktk_int4_mma" if isinstance(shape, MmaShape) else "ktk_int4_gemv")
     with torch.cuda.device(device_index):
         return api(source(shape), name, nvcc_options=["--std=c++17"])
@@ -964,10 +1000,13 @@ def source(shape) -> str:
     then the kernel."""
     if isinstance(shape, KsplitShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
-                  "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant),
+                  "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant), "KB": shape.kblocks,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
                   "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
+    elif isinstance(shape, KsplitSumShape):
+        consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
+        body = _KSPLIT_SUM_SOURCE
     elif isinstance(shape, DiagShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
                   "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
@@ -1100,13 +1139,13 @@ def smem_limit(idx: int) -> int:
     return int(getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", 48 * 1024))
 
 
-def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list) -> None:
+def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list, blocks_y: int = 1) -> None:
     """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph)."""
     kern = _binary(shape, idx)
     with torch.cuda.device(idx):
         if smem >= 48 * 1024 and smem > getattr(kern, "_max_shared_mem_bytes", 0):
             kern.set_shared_memory_config(smem)   # once per binary and size (the warm-up's call, not a capture's)
-        kern(grid=(blocks, 1, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem,
+        kern(grid=(blocks, blocks_y, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem,
              stream=torch.cuda.current_stream(idx))
 
 
@@ -1291,11 +1330,26 @@ class KsplitShape:
     exact: bool = True    # the call's rows are `rows` (else fewer: the staging clamps its row index)
     groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
     dequant: bool = False  # the weights scaled in x's type before the mma ((q - 8) s a pair; the mins in fp32)
+    kblocks: int = 1      # blocks splitting K (grid y), each ceil(steps / kblocks) steps; > 1: fp32 parts, summed
 
 
-def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1) -> int:
-    """Shared memory of ktk_int4_ksplit: x pairs and the steps' group sums, then (ksplit > 1) each warp's 16 x m
-    sums."""
+@dataclass(frozen=True)
+class KsplitSumShape:     # ktk_int4_ksplit_sum: the K-split blocks' fp32 parts added (+ bias) in x's type
+    bf16: bool
+    bias: bool
+
+
+def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
+    """(blocks over K, steps a block) for `kblocks` asked on rows of `steps` 128-input steps: no block left
+    without steps (10 steps in 4 blocks: 3 + 3 + 3 + 1; in 6: 2 x 5, so 5 blocks)."""
+    per = -(-steps // max(1, min(kblocks, steps)))
+    return -(-steps // per), per
+
+
+def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1, kblocks: int = 1) -> int:
+    """Shared memory of ktk_int4_ksplit: x pairs and the steps' group sums (of a block's steps), then
+    (ksplit > 1) each warp's 16 x m sums."""
+    kw = ksplit_kblocks(kw // 16, kblocks)[1] * 16
     return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + (warps * 16 * m if ksplit > 1 else 0)) * 4
 
 
@@ -1313,11 +1367,11 @@ def ksplit_groups(w) -> int:
                      f"{w.group_size}, pack {w.pack})")
 
 
-def ksplit_launch(w, ksplit: int, warps: int, occupancy: int = 32) -> tuple[int, int, int, int]:
-    """(ksplit, warps, blocks, min blocks per SM) of ktk_int4_ksplit on `w`: ksplit clamped to the steps of a
-    row, warps a multiple of it; the launch bound asks for `occupancy` warps an SM (65536 / (32 x occupancy)
-    registers a thread at most)."""
-    steps = int(w.qweight.shape[1]) // 16
+def ksplit_launch(w, ksplit: int, warps: int, occupancy: int = 32, kblocks: int = 1) -> tuple[int, int, int, int]:
+    """(ksplit, warps, blocks along N, min blocks per SM) of ktk_int4_ksplit on `w`: ksplit clamped to the steps
+    a block takes, warps a multiple of it; the launch bound asks for `occupancy` warps an SM (65536 / (32 x
+    occupancy) registers a thread at most)."""
+    steps = ksplit_kblocks(int(w.qweight.shape[1]) // 16, kblocks)[1]
     ksplit = max(1, min(ksplit, steps))
     tpb = max(1, warps // ksplit)
     n_tiles = -(-int(w.qweight.shape[0]) // 16)
@@ -1330,9 +1384,11 @@ def ksplit_rows(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None) -> str | None:
+def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None, kblocks: int = 1) -> str | None:
     """Why the K-split GEMV cannot take `m` rows on `w` with this split (on GPU `device_index`: its shared
     memory) (None when it can)."""
+    if kblocks < 1:
+        return f"kblocks must be >= 1, got {kblocks}"
     if not 1 <= m <= KSPLIT_MAX_ROWS:
         return f"it takes 1..{KSPLIT_MAX_ROWS} rows, got {m}"
     try:
@@ -1340,42 +1396,52 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
     except ValueError as exc:
         return str(exc)
     if device_index is not None:
-        ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps))
-        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups) > smem_limit(device_index):
-            return f"{m} rows of {w.in_features} inputs do not fit in shared memory"
+        ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps), kblocks=kblocks)
+        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups, kblocks) > \
+                smem_limit(device_index):
+            return (f"{m} rows of {w.in_features} inputs do not fit in shared memory"
+                    f"{'' if kblocks > 1 else ' (kblocks > 1 stages a slice of them a block)'}")
     return None
 
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
-                occupancy: int = 32, nomath: bool = False, dequant: bool | None = None) -> torch.Tensor:
+                occupancy: int = 32, nomath: bool = False, dequant: bool | None = None,
+                kblocks: int = 1) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
     bound asks for. `dequant`: scale the weights in x's type before the mma (one mma a pair for any groups a step);
     None: where a step holds several groups (groups of 32 and 64), where it measured faster. `nomath` (probe: the
-    loads and loop alone) applies to the unscaled path only."""
+    loads and loop alone) applies to the unscaled path only. `kblocks` > 1 splits K over that many blocks as well
+    (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias)."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
     if ksplit < 1 or warps < ksplit or warps % ksplit:
         raise ValueError(f"warps ({warps}) must be a multiple of ksplit ({ksplit}) >= 1")
     x, bias, idx = _checked(x, w, bias)
-    why = ksplit_fits(w, m, ksplit, warps, idx)
+    why = ksplit_fits(w, m, ksplit, warps, idx, kblocks)
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
-    ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy)
+    kblocks = ksplit_kblocks(kw // 16, kblocks)[0]
+    ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy, kblocks)
     mr = ksplit_rows(m)
     groups = ksplit_groups(w)
     if dequant is None:
         dequant = groups > 1
     if nomath and dequant:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
-    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups)
-    shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, x.dtype == torch.bfloat16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, dequant)
+    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks)
+    bf16 = x.dtype == torch.bfloat16
+    shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias is not None, min_blocks,
+                        nomath, m == mr, groups, dequant, kblocks)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,
-            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out,
+            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out, ws,
              n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
-             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)])
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks)
+    if kblocks > 1:
+        _launch(KsplitSumShape(bf16, bias is not None), idx, -(-(m * n) // 256), 8, 0,
+                [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)])
     return out

@@ -305,6 +305,8 @@ class TiledConfig:
     ctas: int = 0                   # modes mma, diag: blocks per SM of a persistent grid (0: a warp per 8 rows)
     dequant: bool | None = None     # mode ksplit: the weights scaled in x's type before the mma (None: with
     #                                 several groups a 128-input step, where it measured faster)
+    kblocks: int = 1                # mode ksplit: blocks splitting K too (grid y), their fp32 parts then summed
+    occupancy: int = 32             # mode ksplit: warps an SM its launch bound asks for (16: up to 128 registers)
 
 
 try:       # the tiled kernels live at module level (Triton resolves helper functions through globals)
@@ -744,7 +746,8 @@ def int4_gemv_tiled(x: torch.Tensor, w, bias: torch.Tensor | None = None,
                 return int4_cuda.gemv(x, w, bias, rows_per_warp=cfg.block_n // cfg.num_warps,
                                       warps=cfg.num_warps, step_batch=cfg.chunk)
             if cfg.mode == "ksplit":
-                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps, dequant=cfg.dequant)
+                return int4_cuda.gemv_ksplit(x, w, bias, ksplit=cfg.chunk, warps=cfg.num_warps, dequant=cfg.dequant,
+                                             kblocks=cfg.kblocks, occupancy=cfg.occupancy)
             if cfg.mode == "diag":
                 return int4_cuda.gemv_diag(x, w, bias, warps=cfg.num_warps, batch=cfg.chunk, ctas_per_sm=cfg.ctas,
                                            stages=cfg.num_stages if cfg.num_stages > 1 else 0)
@@ -816,7 +819,7 @@ def cuda_mode_runs(cfg: TiledConfig, w, m: int, device, dtype: torch.dtype) -> b
         return False
     idx = int4_cuda.device_index(device)
     if cfg.mode == "ksplit":
-        return int4_cuda.ksplit_fits(w, m, cfg.chunk, cfg.num_warps, idx) is None
+        return int4_cuda.ksplit_fits(w, m, cfg.chunk, cfg.num_warps, idx, cfg.kblocks) is None
     fits = int4_cuda.cuda_fits if cfg.mode == "cuda" else int4_cuda.mma_fits
     return fits(w, m, idx) is None
 
@@ -864,12 +867,23 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     # 1-7 of the tenth session): us ours / bf16 / tinygemm, a range where several runs measured the config
     (102400, 2048, 128, 1): TiledConfig("diag", block_n=80, num_warps=10, chunk=4, ctas=2, pack=16),   # 40.4-41.8 / 117.5-129.7 / 61.8-64.4
     (102400, 2048, 128, 4): TiledConfig("diag", block_n=80, num_warps=10, num_stages=2, chunk=4, ctas=2, pack=16),   # 58.6 / 113.1 / 85.8 (cp.async ring; 66.8-71.4 without)
-    (102400, 2048, 128, 16): TiledConfig("dot_x", block_n=64, num_warps=4, target_programs=264, reduce='atomic', pack=16),   # 122.1-126.5 / 108.6-115.5 / 237.9-241.5
+    # 5-16 rows: K split over blocks too (kblocks), 8 tiles a block, a warp a tile; measured on an H100 on 2026-12-06
+    # (scripts/int4_ksplit_probe.py --rows 16|8|5 --kblocks ..., thirty-third session): us ours / bf16 / the config
+    # before, at 16 rows, then at 8 (and 5) where measured
+    (102400, 2048, 128, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=4, occupancy=16, pack=16),   # 95.09 / 182.19 / 135.81 (dot_x); 8 rows 65.85 / 181.62 / 133.05
+    (102400, 2048, 32, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=8, occupancy=16, pack=16),   # 126.65 / 179.86 / 224.06 (dot_x; tinygemm 238.87); 8 rows 91.16 / 178.98 / 220.14 (tinygemm 144.05)
+    (2048, 10944, 64, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=43, pack=16),   # 17.88 / 21.33 / 37.34 (dot_x); 8 rows 12.58 / 20.94 / 35.51
+    (4096, 4096, 128, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=16, pack=16),   # 11.65 / 17.01 / 13.75; 8 rows 8.39 / 16.88 / 10.25; 5 rows 8.91 / 17.54 / 9.82
+    (21888, 2048, 128, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=8, pack=16),   # 25.13 / 37.03 / 34.30; 8 rows 15.97 / 37.64 / 22.89; 5 rows 16.52 / 36.24 / 22.62
+    (10944, 2048, 128, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=16, pack=16),   # 14.21 / 19.52 / 20.58
+    (4096, 2048, 128, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=16, pack=16),   # 7.25 / 8.71 / 8.20
+    (2048, 2048, 128, 16): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=16, pack=16),   # 5.61 / 6.46 / 7.28; 8 rows 5.17 / 6.41 / 4.94
+    (21888, 2048, 128, 4): TiledConfig("ksplit", block_n=128, num_warps=8, chunk=1, kblocks=8, occupancy=16, pack=16),   # 17.05 / 35.89 / 18.79
     # the dense down (K = 10944, groups of 64: two a step), measured on an H100 on 2026-12-06
     # (scripts/int4_ksplit_probe.py --group 64 [--rows 4], thirty-first session): us ours / bf16 / the config before;
     # since the thirty-second session the weights are scaled before the mma there (dequant, `--dequant`: us then /
     # bf16 / the same config without it, on another H100)
-    (2048, 10944, 64, 1): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 13.28 / 20.28 / 13.13 (fma, pack 32); 11.87 / 20.74 / 13.46
+    (2048, 10944, 64, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, kblocks=8, pack=16),   # 13.28 / 20.28 / 13.13 (fma, pack 32); 11.87 / 20.74 / 13.46; K over 8 blocks (thirty-third session) 11.38 / 20.69 / 12.09
     (2048, 10944, 64, 4): TiledConfig("ksplit", block_n=16, num_warps=32, chunk=32, pack=16),   # 15.87 / 20.76 / 34.25 (dot_x); 14.67 / 20.70 / 16.16
     # groups of 32 (the GGUF Q4_0 / Q4_K repack) with the weights scaled before the mma (dequant), measured on an
     # H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 --dequant, thirty-second session): us ours / bf16 /
@@ -885,15 +899,10 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     (3072, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 4.07 / 6.53 / 4.00 (rows 4.53)
     (2048, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 3.36 / 6.09 / 3.78 (rows 3.88)
     # four rows (device run 2)
-    (21888, 2048, 128, 4): TiledConfig("ksplit", block_n=32, num_warps=8, chunk=4, pack=16),   # 17.55 / 28.73 / 20.38 (diag 22.50)
     (4096, 2048, 128, 4): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 5.24 / 7.32 / 5.82 (dot_x 12.77)
-    # 16 rows (device run 5; the bucket holds 5-16 rows: 8 rows measured where noted)
-    (4096, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 7.87 / 7.50 / 12.84 (dot_x 14.27)
-    (4096, 4096, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=32, chunk=16, pack=16),   # 13.21 / 13.72 / 22.10 (dot_x 24.73); 8 rows 9.47 / 13.44 / 13.43
-    (10944, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=16, chunk=8, pack=16),   # 19.15 / 15.18 / 29.10 (dot_x 22.30)
-    (21888, 2048, 128, 16): TiledConfig("ksplit", block_n=32, num_warps=16, chunk=8, pack=16),   # 33.36 / 27.84 / 53.42 (dot_x 36.38); 8 rows 21.88 / 26.72 / 32.31
     (2048, 2048, 128, 4): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 4.12 / 6.19 / 4.77 (dot_x 6.33)
-    (2048, 2048, 128, 16): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 16 rows 7.19 / 6.15 / 7.55 (dot_x 7.02); 8 rows 4.84 / 6.21 / 5.56 (dot_x 6.74)
+    # (16 rows, device run 5, before the thirty-third session's entries above, H200: 4096 x 2048 7.87 / 7.50, 4096 x
+    # 4096 13.21 / 13.72, 10944 x 2048 19.15 / 15.18, 21888 x 2048 33.36 / 27.84, 2048 x 2048 7.19 / 6.15)
     (3072, 2048, 2048, 1): TiledConfig("rows", block_n=8, num_warps=4, pack=16),   # 4.5 / 6.6 / rejects per-channel
 }
 
@@ -931,21 +940,43 @@ CUDA_CLASS_MAX_K = 2048
 # 4096, 21888 x 2048); at 8 and 16 rows it beat dot_x and tinygemm on every shape measured (2048 and 4096
 # x 2048, 4096 x 4096, 10944 and 21888 x 2048; 2048 x 2048 at 16 rows: 7.19 against dot_x's 7.02 us). The
 # class config gives each warp two 128-input steps of a 16-row tile (K split = steps / 2), one tile a
-# block at 1-4 rows and two at 5-16 (where that measured faster); KSPLIT_CLASS_MAX_MB and
-# KSPLIT_CLASS_MAX_K bound where it was measured and where a block stays within 32 warps.
+# block at 1-4 rows; KSPLIT_CLASS_MAX_MB and KSPLIT_CLASS_MAX_K bound where it was measured and where a
+# block stays within 32 warps.
+# 5-16 rows (thirty-third session, H100): K split over blocks too (`kblocks`), 8 tiles a block and a warp a
+# tile, so x is staged once for 128 rows of the weight and a block stages only its own steps. Staging all of
+# x in every block of one or two tiles had cost more than the weights' loads (16 rows of 4096 inputs are
+# 128 KiB, staged by each of 128 blocks). One step a warp up to 16 steps (K <= 2048), two past that, and no
+# more blocks over K than leave KSPLIT_PARTS_MAX_BYTES of fp32 parts at 16 rows (the parts go through the L2;
+# the lm_head's 102400 rows: 4 blocks). It beat the configs before on every shape measured, by 1.2-2.2x at
+# 16 rows (the dense down 37.3 -> 17.9 us; groups of 32 on 4096 x 4096 30.5 -> 14.0, tinygemm 23.0), and at
+# 8 rows everywhere but 2048 x 2048 (5.17 against 4.94 us): docs/gpu.md "The K split over blocks".
 KSPLIT_CLASS_MAX_MB = 100.0
 KSPLIT_CLASS_MAX_K = 8192
 KSPLIT_MIN_GROUP = 32       # the smallest group it takes (4 a step: the GGUF Q4_0 / Q4_K repack's)
+KSPLIT_PARTS_MAX_BYTES = 32e6
 
 
-def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
-    """The K-split config of the class for K inputs and a rows bucket: two 128-input steps a warp, one 16-row
-    tile a block (two in the 16-rows bucket, where a block stays within 32 warps)."""
-    ks = max(1, min(32, -(-k // 128) // 2))
-    tiles = 2 if bucket == 16 and 2 * ks <= 32 else 1
-    return TiledConfig("ksplit", block_n=16 * tiles, num_warps=ks * tiles, chunk=ks, pack=16)
+def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None = None) -> TiledConfig:
+    """The K-split config of the class for an [N, K] weight of `group` and a rows bucket: at 1-4 rows two
+    128-input steps a warp and one 16-row tile a block; at 5-16 rows K over blocks too, 8 tiles a block, one step
+    a warp up to 16 steps and two past that, no more blocks over K than KSPLIT_PARTS_MAX_BYTES of parts allow
+    (`n` rows; where that leaves more than 4 steps a warp, the warps of a tile split them), and with several groups
+    a step (the weights scaled before the mma) 16 warps an SM (128
+    registers a thread: it measured faster there)."""
+    steps = -(-k // 128)
+    if bucket == 16:
+        kb = steps if steps <= 16 else -(-steps // 2)
+        if n:
+            kb = max(1, min(kb, int(KSPLIT_PARTS_MAX_BYTES // (16 * n * 4))))
+        ks = min(32, -(-(-(-steps // kb)) // 4))     # (where the parts bound leaves > 4 steps a warp: split in the block)
+        tiles = max(1, min(8, 32 // ks))
+        several = group is not None and group < min(k, 128)
+        return TiledConfig("ksplit", block_n=16 * tiles, num_warps=ks * tiles, chunk=ks, kblocks=kb,
+                           occupancy=16 if several else 32, pack=16)
+    ks = max(1, min(32, steps // 2))
+    return TiledConfig("ksplit", block_n=16, num_warps=ks, chunk=ks, pack=16)
 
-# With groups below this size tinygemm runs at every rows bucket where it can (bf16, K % 128 == 0): measured on an
+# With groups below this size tinygemm runs at 1-4 rows where it can (bf16, K % 128 == 0): measured on an
 # H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 [--rows 4|16], thirty-first session), us of the
 # best K-split config against tinygemm's at groups of 32: one row 2048 x 2048 4.59 / 4.37, 3072 x 2048 5.88 /
 # 4.81, 4096 x 4096 10.29 / 8.00, 10944 x 2048 12.56 / 10.85; four rows 2048 x 2048 5.71 / 4.46, 4096 x 4096
@@ -953,9 +984,10 @@ def ksplit_class_config(k: int, bucket: int = 1) -> TiledConfig:
 # K-split config there needs 128 registers a thread, which the class does not give it). Groups of 64 on
 # 2048 x 2048: one row 3.89 / 3.94, 16 rows 7.69 / 7.45. The 102400 x 2048 lm_head at groups of 32
 # (`python -m ktinject.bench_gpu --only int4`): 1 row tinygemm 78.2 against fma's 86.7, 4 rows 91.3 / 216.3 (dot_x),
-# 16 rows 238.3 / 222.5 (dot_x): there tinygemm stays out of the 16-rows bucket.
+# 16 rows 238.3 / 222.5 (dot_x). Since the thirty-third session the K split over blocks takes 5-16 rows: at 16
+# rows 2048 x 2048 6.45-6.79 against tinygemm's 7.87, 4096 x 4096 14.01 / 22.98, the lm_head 126.65 / 238.87 (at 8
+# rows 5.84-5.89 / 5.48, 91.16 / 144.05: tinygemm wins 2048 x 2048 at 8 rows only).
 TINYGEMM_SMALL_GROUPS = 128
-TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (the lm_head's 420 MB: dot_x at 16 rows)
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
@@ -970,11 +1002,10 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
     then the exact shape, then its class). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
     there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...). With groups
     smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows, and 5-16 up
-    to 70 MB of bf16, but no bucket TUNED holds: it beat ours there on every other shape measured (where it cannot
-    run, the K-split kernel does at 1-4 rows)."""
+    but no bucket TUNED holds: it beat ours there on every other shape measured (where it cannot run, the K-split
+    kernel does); 5-16 rows go to the K split over blocks."""
     if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
-        small = {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
-        return {b for b in small if (n, k, group, b) not in TUNED}   # (a tuned small-group entry beat it)
+        return {b for b in (1, 4) if (n, k, group, b) not in TUNED}   # (a tuned small-group entry beat it)
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
         return set(hit)
@@ -1001,12 +1032,11 @@ def class_config(m: int, n: int, k: int) -> TiledConfig:
 
 def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> TiledConfig | None:
     """The CUDA-kernel config of the shape class of [N, K] for `m` rows, or None (then the Triton class):
-    None too where the kernel refuses the group (ksplit: below 32; diag: below a tile, 8 x pack inputs), and at
-    5-16 rows with several groups a 128-input step (there the class config lost to dot_x)."""
-    if k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB:
-        cfg = ksplit_class_config(k, rows_bucket(m))   # (pack 16: groups of 32 and 64 too, several a step)
-        if group is not None and group < min(k, 128) and rows_bucket(m) == 16:
-            return None        # several groups a step at 5-16 rows: its class config lost to dot_x (13.2 / 10.5 us)
+    None too where the kernel refuses the group (ksplit: below 32; diag: below a tile, 8 x pack inputs). 5-16 rows:
+    the K split over blocks on any shape (a block stages x for its own few steps only)."""
+    bucket = rows_bucket(m)
+    if bucket == 16 or (k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB):
+        cfg = ksplit_class_config(k, bucket, n, group)   # (pack 16: groups of 32 and 64 too, several a step)
         return cfg if group is None or group >= min(k, KSPLIT_MIN_GROUP) else None
     if k <= CUDA_CLASS_MAX_K and n * k * 2 / 1e6 >= CUDA_CLASS_MIN_MB:
         cfg = CUDA_CLASS.get(rows_bucket(m))
