@@ -333,6 +333,9 @@ def test_shape_classes_hold_only_triton_modes():
     assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}
     assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
     assert T.tinygemm_buckets(2048, 2048, 128) == set() and T.tinygemm_buckets(2048, 2048, 2048) == set()
+    # without the CUDA kernels (their Triton fallbacks) tinygemm takes every bucket at groups of 32, 5-16 rows to 70 MB
+    assert T.tinygemm_buckets(2048, 2048, 32, cuda_ok=False) == {1, 4, 16}
+    assert T.tinygemm_buckets(102400, 2048, 32, cuda_ok=False) == {1, 4}
     # 5-16 rows: K over blocks too, 8 tiles a block, a warp a tile: one step a warp up to K = 2048, two past it, no
     # more blocks over K than 32 MB of fp32 parts allow (then the tile's warps split the steps); 16 warps an SM
     # where the weights are scaled before the mma (groups of 32 and 64)

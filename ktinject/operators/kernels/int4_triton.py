@@ -947,7 +947,7 @@ CUDA_CLASS_MAX_K = 2048
 # x in every block of one or two tiles had cost more than the weights' loads (16 rows of 4096 inputs are
 # 128 KiB, staged by each of 128 blocks). One step a warp up to 16 steps (K <= 2048), two past that, and no
 # more blocks over K than leave KSPLIT_PARTS_MAX_BYTES of fp32 parts at 16 rows (the parts go through the L2;
-# the lm_head's 102400 rows: 4 blocks). It beat the configs before on every shape measured, by 1.2-2.2x at
+# the lm_head's 102400 rows: 4 blocks). It beat the configs before on every shape measured, by 1.13-2.2x at
 # 16 rows (the dense down 37.3 -> 17.9 us; groups of 32 on 4096 x 4096 30.5 -> 14.0, tinygemm 23.0), and at
 # 8 rows everywhere but 2048 x 2048 (5.17 against 4.94 us): docs/gpu.md "The K split over blocks".
 KSPLIT_CLASS_MAX_MB = 100.0
@@ -961,8 +961,7 @@ def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None =
     128-input steps a warp and one 16-row tile a block; at 5-16 rows K over blocks too, 8 tiles a block, one step
     a warp up to 16 steps and two past that, no more blocks over K than KSPLIT_PARTS_MAX_BYTES of parts allow
     (`n` rows; where that leaves more than 4 steps a warp, the warps of a tile split them), and with several groups
-    a step (the weights scaled before the mma) 16 warps an SM (128
-    registers a thread: it measured faster there)."""
+    a step (the weights scaled before the mma) 16 warps an SM (128 registers a thread: it measured faster there)."""
     steps = -(-k // 128)
     if bucket == 16:
         kb = steps if steps <= 16 else -(-steps // 2)
@@ -988,6 +987,7 @@ def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None =
 # rows 2048 x 2048 6.45-6.79 against tinygemm's 7.87, 4096 x 4096 14.01 / 22.98, the lm_head 126.65 / 238.87 (at 8
 # rows 5.84-5.89 / 5.48, 91.16 / 144.05: tinygemm wins 2048 x 2048 at 8 rows only).
 TINYGEMM_SMALL_GROUPS = 128
+TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (without the CUDA kernels: the lm_head's 420 MB ran dot_x at 16 rows)
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
@@ -1001,10 +1001,13 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
     """Rows buckets in which tinygemm runs for an [N, K] weight of `group` under backend auto (small groups first,
     then the exact shape, then its class). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
     there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...). With groups
-    smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows, and 5-16 up
-    but no bucket TUNED holds: it beat ours there on every other shape measured (where it cannot run, the K-split
-    kernel does); 5-16 rows go to the K split over blocks."""
+    smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows but no bucket
+    TUNED holds: it beat ours there on every other shape measured (where it cannot run, the K-split kernel does);
+    5-16 rows go to the K split over blocks. Without the CUDA kernels (their Triton fallbacks run) it takes every
+    bucket, 5-16 rows up to 70 MB of bf16 (past that dot_x measured faster)."""
     if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
+        if not cuda_ok:
+            return {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
         return {b for b in (1, 4) if (n, k, group, b) not in TUNED}   # (a tuned small-group entry beat it)
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
