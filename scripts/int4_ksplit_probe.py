@@ -49,7 +49,7 @@ def check_all() -> int:
         (2048, 10944, 64, 16, 4, torch.bfloat16, True, 32, 32),
         (1000, 2048, 64, 16, 16, torch.bfloat16, False, 8, 16),
         (4096, 4096, 128, 16, 16, torch.bfloat16, True, 2, 32, 8),    # K over blocks too
-        (2056, 10944, 64, 16, 16, torch.bfloat16, True, 2, 32, 16),   # (86 steps: 15 blocks of 6, the last 2)
+        (2056, 10944, 64, 16, 16, torch.bfloat16, True, 2, 32, 16),   # (86 steps: 15 blocks, the last of 2)
         (1000, 4096, 256, 32, 13, torch.float16, False, 4, 16, 3),
         (2048, 2048, 32, 16, 8, torch.bfloat16, False, 1, 16, 16),
         (640, 1160, 128, 16, 5, torch.bfloat16, True, 2, 8, 4),
