@@ -590,9 +590,9 @@ def test_gpu_cuda_gemv_in_a_cuda_graph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_linear_int4_cuda_modes_load_and_capture(shape, rows, mode, dtype):
     """A layer whose config is a CUDA mode (tuned, or the CUDA class: diag for 30000 x 2048, ksplit for 20000 x
-    2048, 5000 x 2048 and 5000 x 1536; at 5-16 rows the K split over blocks, two kernels) compiles at load every binary its rows bucket can need (with its bias,
-    both dtypes): a CUDA-graph capture of its forward, before any eager call, then compiles nothing, and
-    replays equal the eager result."""
+    2048, 5000 x 2048 and 5000 x 1536; at 5-16 rows the K split over blocks, two kernels) compiles at load every
+    binary its rows bucket can need (with its bias, both dtypes): a CUDA-graph capture of its forward, before any
+    eager call, then compiles nothing, and replays equal the eager result."""
     torch.manual_seed(0)
     n, k = shape
     mod = Int4Linear.from_weight(torch.randn(n, k, device="cuda") * 0.02, torch.randn(n, device="cuda"),

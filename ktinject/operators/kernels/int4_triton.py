@@ -967,7 +967,8 @@ def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None =
         kb = steps if steps <= 16 else -(-steps // 2)
         if n:
             kb = max(1, min(kb, int(KSPLIT_PARTS_MAX_BYTES // (16 * n * 4))))
-        ks = min(32, -(-(-(-steps // kb)) // 4))     # (where the parts bound leaves > 4 steps a warp: split in the block)
+        spb = -(-steps // kb)                        # steps a block
+        ks = min(32, -(-spb // 4))                   # (past 4 steps a warp, the tile's warps split them)
         tiles = max(1, min(8, 32 // ks))
         several = group is not None and group < min(k, 128)
         return TiledConfig("ksplit", block_n=16 * tiles, num_warps=ks * tiles, chunk=ks, kblocks=kb,
