@@ -330,7 +330,15 @@ def test_shape_classes_hold_only_triton_modes():
     # blocks (it beat tinygemm at 16 rows on every shape measured)
     assert T.tinygemm_buckets(2048, 2048, 32) == {4} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4}
     assert T.tiled_config(1, 2048, 2048, 32).dequant is None and T.tiled_config(1, 2048, 2048, 32).mode == "ksplit"
-    assert T.tinygemm_buckets(102400, 2048, 32) == {1, 4}
+    # the wide lm_heads (K = 2048, >= 400 MB of bf16) at groups of 32: the K split at one row (4 warps a tile, 16
+    # warps an SM; TUNED where measured, the class elsewhere), tinygemm at 2-4 rows but where TUNED beat it
+    assert T.tinygemm_buckets(102400, 2048, 32) == set() and T.tinygemm_buckets(163840, 2048, 32) == {4}
+    assert T.tiled_config(1, 163840, 2048, 32) is T.SMALL_GROUPS_WIDE and T.tiled_pack(163840, 2048, 32) == 16
+    assert (T.SMALL_GROUPS_WIDE.mode, T.SMALL_GROUPS_WIDE.chunk, T.SMALL_GROUPS_WIDE.num_warps,
+            T.SMALL_GROUPS_WIDE.occupancy) == ("ksplit", 4, 4, 16)
+    for n, k, g in ((21888, 2048, 32), (129280, 7168, 32), (163840, 2048, 64), (163840, 2048, 128)):
+        assert T.tiled_config(1, n, k, g) is not T.SMALL_GROUPS_WIDE and not T.small_groups_wide(n, k, g), (n, k, g)
+    assert T.tinygemm_buckets(21888, 2048, 32) == {1, 4} and T.tinygemm_buckets(129280, 7168, 32) == {1, 4}
     assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
     assert T.tinygemm_buckets(2048, 2048, 128) == set() and T.tinygemm_buckets(2048, 2048, 2048) == set()
     # without the CUDA kernels (their Triton fallbacks) tinygemm takes every bucket at groups of 32, 5-16 rows to 70 MB

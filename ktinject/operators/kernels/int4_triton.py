@@ -889,6 +889,12 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     # H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 --dequant, thirty-second session): us ours / bf16 /
     # tinygemm (which runs at groups of 32 elsewhere)
     (2048, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 3.97 / 6.35 / 4.32
+    # the lm_heads at groups of 32, measured on an H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32
+    # [--rows 4] --shapes 102400x2048,151936x2048, thirty-fourth session): us ours / bf16 / tinygemm (the config
+    # before: us); one row: SMALL_GROUPS_WIDE, 4 warps a tile and 16 warps an SM (128 registers a thread)
+    (102400, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16),   # 64.43 / 168.03 / 77.71 (fma 85.44)
+    (102400, 2048, 32, 4): TiledConfig("ksplit", block_n=32, num_warps=8, chunk=4, occupancy=16, pack=16),   # 88.58-89.27 / 168.45 / 91.51-92.25 (dot_x 209.96)
+    (151936, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16),   # 92.26 / 244.90 / 128.93 (fma 111.09)
     # one row, K split (ksplit): measured on the H200 on 2026-12-04 (scripts/int4_ksplit_probe.py, twentieth
     # session, device run 1): us ours / bf16 / tinygemm (the config before: us)
     (21888, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 12.11 / 25.40 / 15.28 (diag 12.63)
@@ -987,7 +993,14 @@ def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None =
 # 16 rows 238.3 / 222.5 (dot_x). Since the thirty-third session the K split over blocks takes 5-16 rows: at 16
 # rows 2048 x 2048 6.45-6.79 against tinygemm's 7.87, 4096 x 4096 14.01 / 22.98, the lm_head 126.65 / 238.87 (at 8
 # rows 5.84-5.89 / 5.48, 91.16 / 144.05: tinygemm wins 2048 x 2048 at 8 rows only).
+# Since the thirty-fourth session the wide lm_heads (K = 2048) at groups of 32 run the K split at one row: 4 warps a
+# tile at 16 warps an SM measured 17% faster than tinygemm on both measured (102400 and 151936 rows; TUNED), and on
+# 21888 x 2048 a tie (18.76 against 18.84 us), so the class starts at SMALL_GROUPS_WIDE_MIN_MB; K = 7168 (DeepSeek-V3's
+# 129280 x 7168) lost (407.7 against 328.6 us).
 TINYGEMM_SMALL_GROUPS = 128
+SMALL_GROUPS_WIDE = TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16)
+SMALL_GROUPS_WIDE_MIN_MB = 400.0   # bf16 MB of [N, K]
+SMALL_GROUPS_WIDE_MAX_K = 2048
 TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (without the CUDA kernels: the lm_head's 420 MB ran dot_x at 16 rows)
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
@@ -1009,12 +1022,20 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
     if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
         if not cuda_ok:
             return {1, 4, 16} if n * k * 2 / 1e6 <= TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB else {1, 4}
-        return {b for b in (1, 4) if (n, k, group, b) not in TUNED}   # (a tuned small-group entry beat it)
+        return {b for b in (1, 4) if (n, k, group, b) not in TUNED   # (a tuned small-group entry beat it)
+                and not (b == 1 and small_groups_wide(n, k, group))}
     hit = TINYGEMM_FASTER.get((n, k))
     if hit is not None:
         return set(hit)
     return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ())
             if not (cuda_ok and cuda_class_config(b, n, k, group) is not None)}
+
+
+def small_groups_wide(n: int, k: int, group: int | None) -> bool:
+    """Whether one row of an [N, K] weight of `group` takes SMALL_GROUPS_WIDE: groups of 32 (four a 128-input step)
+    on a wide matrix of K <= 2048 (an lm_head), where it beat tinygemm."""
+    return (group is not None and KSPLIT_MIN_GROUP <= group < min(k, 64) and k <= SMALL_GROUPS_WIDE_MAX_K
+            and n * k * 2 / 1e6 >= SMALL_GROUPS_WIDE_MIN_MB)
 
 
 def rows_bucket(m: int) -> int:
@@ -1039,6 +1060,8 @@ def cuda_class_config(m: int, n: int, k: int, group: int | None = None) -> Tiled
     None too where the kernel refuses the group (ksplit: below 32; diag: below a tile, 8 x pack inputs). 5-16 rows:
     the K split over blocks on any shape (a block stages x for its own few steps only)."""
     bucket = rows_bucket(m)
+    if bucket == 1 and small_groups_wide(n, k, group):
+        return SMALL_GROUPS_WIDE
     if bucket == 16 or (k <= KSPLIT_CLASS_MAX_K and n * k * 2 / 1e6 <= KSPLIT_CLASS_MAX_MB):
         cfg = ksplit_class_config(k, bucket, n, group)   # (pack 16: groups of 32 and 64 too, several a step)
         return cfg if group is None or group >= min(k, KSPLIT_MIN_GROUP) else None
