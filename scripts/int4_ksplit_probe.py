@@ -3,8 +3,7 @@
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
     python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32] [--dequant]
-    python3 scripts/int4_ksplit_probe.py --rows 16 --kblocks 1,2,4,8,16 [--last] [--shapes ...]
-    python3 scripts/int4_ksplit_probe.py --rows 16 --last-ab [--shapes ...]
+    python3 scripts/int4_ksplit_probe.py --rows 16 --kblocks 1,2,4,8,16 [--shapes ...]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
@@ -55,9 +54,7 @@ def check_all() -> int:
         (2048, 2048, 32, 16, 8, torch.bfloat16, False, 1, 16, 16),
         (640, 1160, 128, 16, 5, torch.bfloat16, True, 2, 8, 4),
     ]
-    runs = [(c, False, True) for c in cases] + [(c, True, True) for c in cases if c[3] == 16]
-    runs += [(c, dq, False) for c, dq, _ in runs if len(c) > 9]       # K over blocks: the sum kernel too
-    for case, dq, last in runs:
+    for case, dq in [(c, False) for c in cases] + [(c, True) for c in cases if c[3] == 16]:
         n, k, group, pack, rows, dt, with_bias, ks, warps = case[:9]
         kb = case[9] if len(case) > 9 else 1
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
@@ -68,12 +65,12 @@ def check_all() -> int:
         if b is not None:
             ref = ref + b.float()
         try:
-            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb, last=last)
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             ok = err < 1e-2 and worst < 3e-2
-            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb, last=last)
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
             same = torch.equal(again, y)
         except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
             ok, same, err, worst = False, False, float("nan"), float("nan")
@@ -81,7 +78,7 @@ def check_all() -> int:
         bad += not (ok and same)
         print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps} kb{kb}: "
               f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
-              f"{' (scaled before the mma)' if dq else ''}{'' if kb == 1 else ' (last block sums)' if last else ' (sum kernel)'}",
+              f"{' (scaled before the mma)' if dq else ''}",
               flush=True)
     return bad
 
@@ -95,53 +92,23 @@ def kblocks_grid(x, w0, ref, copies, a, steps, idx) -> list:
             if ks < 1 or ks > spb or -(-spb // ks) > 4 or not 96 <= -(-n_tiles // tpb) * kb <= 8192 or \
                     (warps, occ) in ((16, 32), (32, 16)):
                 continue
-            for last in ((True, False) if a.last and kb > 1 else (None,)):
-                name = f"kb{kb:<2} tiles{tpb:<2} ks{ks:<2} w{warps:<2} occ{occ}" + \
-                    ("" if last is None else " last" if last else " sum ")
-                try:
-                    y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, kblocks=kb, last=last)
-                    torch.cuda.synchronize()
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    if not err < 1e-2:
-                        raise RuntimeError(f"wrong (rel err {err:.2g})")
-                    t = graph_time([lambda w=w: C.gemv_ksplit(x, w, ksplit=ks, warps=warps, occupancy=occ,
-                                                              kblocks=kb, last=last) for w in copies], a.reps)
-                    _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ, kb)
-                    shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
-                                          False, minb, groups=C.ksplit_groups(w0), dequant=C.ksplit_groups(w0) > 1,
-                                          kblocks=kb, last=bool(last if last is not None else C.KSPLIT_LAST))
-                    rows.append((t, float("nan"), name, regs(shape, idx)))
-                except Exception as exc:                              # noqa: BLE001 - a probe: report, go on
-                    print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}")
-    return rows
-
-
-def last_ab(a) -> None:
-    """The dispatcher's config (`tiled_config`) of each shape at `--rows`, where it splits K over blocks: its last
-    block summing the parts against the second kernel, in one process, ABAB (`--last-ab`)."""
-    for spec in a.shapes.split(","):
-        n, k = map(int, spec.split("x"))
-        cfg = T.tiled_config(a.rows, n, k, a.group)
-        if cfg.mode != "ksplit" or C.ksplit_kblocks(-(-k // 128), cfg.kblocks)[0] < 2:
-            print(f"{spec} x {a.rows}: {cfg.mode} kblocks {cfg.kblocks}, not split over blocks", flush=True)
-            continue
-        iw, w0, wbytes, copies, x, ref, t_bf16, (t_read, _) = shape_setup(n, k, a.rows, a.reps, a.group)
-        times = {True: [], False: []}
-        for _ in range(2):
-            for last in (True, False):
-                run = [lambda w=w, last=last: C.gemv_ksplit(x, w, ksplit=cfg.chunk, warps=cfg.num_warps,
-                                                            occupancy=cfg.occupancy, kblocks=cfg.kblocks, last=last)
-                       for w in copies]
-                y = run[0]()
+            name = f"kb{kb:<2} tiles{tpb:<2} ks{ks:<2} w{warps:<2} occ{occ}"
+            try:
+                y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, kblocks=kb)
+                torch.cuda.synchronize()
                 err = ((y.float() - ref).norm() / ref.norm()).item()
-                assert err < 1e-2, f"wrong (rel err {err:.2g})"
-                times[last].append(graph_time(run, a.reps))
-        tl, ts = min(times[True]), min(times[False])
-        print(f"{spec} x {a.rows} G{a.group} (ks{cfg.chunk} w{cfg.num_warps} kb{cfg.kblocks} occ{cfg.occupancy}): "
-              f"bf16 {t_bf16 * 1e6:.2f}, last block sums {tl * 1e6:.2f} us ({t_bf16 / tl:.2f}x bf16), sum kernel "
-              f"{ts * 1e6:.2f} us ({t_bf16 / ts:.2f}x); {ts / tl:.3f}x", flush=True)
-        del copies
-        torch.cuda.empty_cache()
+                if not err < 1e-2:
+                    raise RuntimeError(f"wrong (rel err {err:.2g})")
+                t = graph_time([lambda w=w: C.gemv_ksplit(x, w, ksplit=ks, warps=warps, occupancy=occ,
+                                                          kblocks=kb) for w in copies], a.reps)
+                _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ, kb)
+                shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True, False,
+                                      minb, groups=C.ksplit_groups(w0), dequant=C.ksplit_groups(w0) > 1,
+                                      kblocks=kb)
+                rows.append((t, float("nan"), name, regs(shape, idx)))
+            except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
+                print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -154,17 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
     ap.add_argument("--dequant", action="store_true", help="each config both ways: weights scaled before the mma or not")
     ap.add_argument("--kblocks", default="", help="comma list: K split over that many blocks too (its own grid)")
-    ap.add_argument("--last", action="store_true",
-                    help="with --kblocks: each config both ways, its last block summing the parts or a second kernel")
-    ap.add_argument("--last-ab", action="store_true",
-                    help="only the dispatcher's config at --rows, its last block summing or a second kernel")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()
-    if a.last_ab:
-        last_ab(a)
-        print(f"correctness: {'all ok' if not bad else f'{bad} WRONG'}")
-        return 1 if bad else 0
     roof = read_bandwidth()
     print(f"HBM read roofline {roof / 1e9:.0f} GB/s", flush=True)
     idx = C.device_index("cuda")

@@ -632,7 +632,7 @@ __device__ __forceinline__ u32 dq(u32 nib, u32 S2) {              // nibble pair
 #endif
 
 // One output of the tile: y (+ bias) in x's type, or (KB > 1) the block's fp32 part of it, ws[blockIdx.y][m][n]
-// (the last of the KB blocks of a range of tiles (LAST) or ktk_int4_ksplit_sum then adds them in order, and the bias)
+// (ktk_int4_ksplit_sum then adds the KB parts in order, and the bias)
 __device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__ ws, const u16* __restrict__ bias,
                                       int n, int m, int N, int M, int stride_om, float y) {
 #if KB > 1
@@ -666,13 +666,12 @@ __device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__
 // time: the weights' loads bound the kernel). X is staged per group.
 // KB > 1 splits K over blocks too (blockIdx.y takes SPB consecutive steps): a block then stages x for its own
 // steps only, so at 8-16 rows a block can hold many tiles (x staged once for all of them) and the grid still
-// fills the GPU; each block leaves fp32 parts that the last block of its tiles to finish adds (LAST: a counter a
-// range of tiles, cnt[blockIdx.x]), or else a second kernel, ktk_int4_ksplit_sum.
+// fills the GPU; each block leaves fp32 parts that ktk_int4_ksplit_sum adds.
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
                 const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
-                float* __restrict__ ws, int* __restrict__ cnt, int N, int K, int KW_, int g_shift, int NG, int M,
-                int stride_xm, int stride_om, int xvec)
+                float* __restrict__ ws, int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm,
+                int stride_om, int xvec)
 {
     extern __shared__ u32 smem[];
     u32* xp = smem;                                  // [MR][KWP] x pairs of the block's steps
@@ -930,33 +929,6 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         }
     }
 #endif
-#if KB > 1 && LAST
-    // The KB blocks of this range of tiles meet: each counts itself in once its parts are out, and the last to
-    // arrive adds the KB parts in order (the same order whichever block it is: deterministic), adds the bias and
-    // stores y. It also sets the count back to 0 for the next launch (all KB have counted by then).
-    int* last = (int*)smem;                          // (x's pairs are dead past the barrier)
-    __threadfence();                                 // this thread's parts reach the L2 before the block counts
-    __syncthreads();
-    if (tid == 0) {
-        *last = atomicAdd(cnt + blockIdx.x, 1) == KB - 1;
-        if (*last) cnt[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (*last) {
-        __threadfence();
-        const int r0 = blockIdx.x * (WARPS / KS) * TR, nr = min((WARPS / KS) * TR, N - r0);
-        for (int i = tid; i < MLIVE * nr; i += NT) {
-            const int m = i / nr, n = r0 + i - m * nr;
-            float y = 0.f;
-#pragma unroll
-            for (int b = 0; b < KB; b++) y += __ldcg(ws + ((size_t)b * M + m) * N + n);   // (L2: the other blocks')
-#if HAS_BIAS
-            y += to_f32(bias[n]);
-#endif
-            out[(size_t)m * stride_om + n] = from_f32(y);
-        }
-    }
-#endif
 }
 """
 
@@ -1030,7 +1002,7 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
                   "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant), "KB": shape.kblocks,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "NOMATH": int(shape.nomath), "LAST": int(shape.last)}
+                  "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
     elif isinstance(shape, KsplitSumShape):
         consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
@@ -1117,10 +1089,7 @@ def _self_test(idx: int) -> str | None:
                      lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1)),
                     ("ksplit", (200, 1160), 128, 3, lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6)),
                     ("ksplit, groups of 32", (200, 1160), 32, 3,
-                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6)),
-                    # K over 3 blocks whose last sums the parts (this makes the GPU's counters, outside any capture)
-                    ("ksplit over blocks", (200, 1160), 128, 9,
-                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=2, warps=4, kblocks=3, last=True))):
+                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))):
                 iw = int4_pack.quantize(torch.randn(n, k, generator=g) * 0.05, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
                 x = torch.randn(rows, k, generator=g).to(f"cuda:{idx}", torch.bfloat16)
@@ -1362,37 +1331,12 @@ class KsplitShape:
     groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
     dequant: bool = False  # the weights scaled in x's type before the mma ((q - 8) s a pair; the mins in fp32)
     kblocks: int = 1      # blocks splitting K (grid y), each ceil(steps / kblocks) steps; > 1: fp32 parts, summed
-    last: bool = False    # (kblocks > 1) the last block of a range of tiles sums the parts (a counter), no 2nd kernel
 
 
 @dataclass(frozen=True)
 class KsplitSumShape:     # ktk_int4_ksplit_sum: the K-split blocks' fp32 parts added (+ bias) in x's type
     bf16: bool
     bias: bool
-
-
-KSPLIT_COUNTERS = 1 << 16   # int32 counters a GPU for the K split over blocks' last-block sum (`gemv_ksplit(last=)`)
-KSPLIT_LAST = True          # the default of `gemv_ksplit(last=None)` (docs/gpu.md "The last block sums the parts")
-_RINGS: dict = {}           # device index -> [counters (int32, zeros), next free one]
-_RING_LOCK = threading.Lock()
-
-
-def _counters(idx: int, n: int) -> torch.Tensor | None:
-    """`n` counters (zero, and left at zero by the kernel that uses them) of GPU `idx`'s ring: each call takes
-    the next `n`, so kernels in flight on two streams at once do not share one (a capture keeps the ones it
-    took). None where the ring is not made yet and cannot be now (inside a CUDA-graph capture: the self-test,
-    outside any capture, makes it first) or `n` is past its size."""
-    ring = _RINGS.get(idx)
-    if ring is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        ring = _RINGS.setdefault(idx, [torch.zeros(KSPLIT_COUNTERS, dtype=torch.int32, device=f"cuda:{idx}"), 0])
-    if n > KSPLIT_COUNTERS:
-        return None
-    with _RING_LOCK:
-        start = ring[1] if ring[1] + n <= KSPLIT_COUNTERS else 0
-        ring[1] = start + n
-    return ring[0][start:start + n]
 
 
 def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
@@ -1462,15 +1406,14 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False, dequant: bool | None = None,
-                kblocks: int = 1, last: bool | None = None) -> torch.Tensor:
+                kblocks: int = 1) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
     bound asks for. `dequant`: scale the weights in x's type before the mma (one mma a pair for any groups a step);
     None: where a step holds several groups (groups of 32 and 64), where it measured faster. `nomath` (probe: the
     loads and loop alone) applies to the unscaled path only. `kblocks` > 1 splits K over that many blocks as well
-    (each stages x for its own steps; fp32 parts, added in order with the bias by the last block of a range of tiles
-    to finish (`last`, None: `KSPLIT_LAST`) or else by a second kernel)."""
+    (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias)."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
@@ -1490,16 +1433,15 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
     smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks)
     bf16 = x.dtype == torch.bfloat16
-    cnt = _counters(idx, blocks) if kblocks > 1 and (KSPLIT_LAST if last is None else last) else None
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, dequant, kblocks, cnt is not None)
+                        nomath, m == mr, groups, dequant, kblocks)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out, ws,
-             cnt if cnt is not None else w.scales, n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m,
-             x.stride(0), out.stride(0), int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks)
-    if kblocks > 1 and cnt is None:
+             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks)
+    if kblocks > 1:
         _launch(KsplitSumShape(bf16, bias is not None), idx, -(-(m * n) // 256), 8, 0,
                 [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)])
     return out
