@@ -1415,10 +1415,9 @@ _CLUSTER: dict = {}         # device index -> None (clusters run) or why not (th
 
 
 def cluster_ok(idx: int) -> bool:
-    """True where the K split over blocks can run its blocks as a thread-block cluster on GPU `idx`: compute
-    capability 9.0 or later, and the self-test (`available`) ran and its cluster case gave the right answer. (No
-    lock: `gemv_ksplit` asks this inside the self-test too.)"""
-    return _CLUSTER.get(idx, "not checked") is None
+    """True where the K split over blocks can run its blocks as a thread-block cluster on GPU `idx` (compute
+    capability 9.0 or later, and the self-test's cluster case gave the right answer)."""
+    return available(idx) and _CLUSTER.get(idx, "not checked") is None
 
 
 def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
