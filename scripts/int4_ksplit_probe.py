@@ -3,7 +3,7 @@
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
     python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32] [--dequant]
-    python3 scripts/int4_ksplit_probe.py --rows 16 --kblocks 1,2,4,8,16 [--cluster] [--shapes ...]
+    python3 scripts/int4_ksplit_probe.py --rows 16 --kblocks 1,2,4,8,16 [--shapes ...]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
 the dequantized weight; then per shape CUDA-graph replays over >= 256 MB of copies (L2 holds none), median,
@@ -53,13 +53,8 @@ def check_all() -> int:
         (1000, 4096, 256, 32, 13, torch.float16, False, 4, 16, 3),
         (2048, 2048, 32, 16, 8, torch.bfloat16, False, 1, 16, 16),
         (640, 1160, 128, 16, 5, torch.bfloat16, True, 2, 8, 4),
-        (2048, 2048, 128, 16, 16, torch.bfloat16, True, 1, 8, 8),     # (a cluster of 8, the 16-rows class's tiles)
-        (2056, 2048, 32, 16, 13, torch.float16, True, 1, 8, 8),
     ]
-    runs = [(c, False, False) for c in cases] + [(c, True, False) for c in cases if c[3] == 16]
-    runs += [(c, dq, True) for c, dq, _ in runs if 1 < C.ksplit_kblocks(-(-c[1] // 128), c[9] if len(c) > 9 else 1)[0]
-             <= C.KSPLIT_CLUSTER_MAX]                                 # K over a cluster of blocks too
-    for case, dq, cl in runs:
+    for case, dq in [(c, False) for c in cases] + [(c, True) for c in cases if c[3] == 16]:
         n, k, group, pack, rows, dt, with_bias, ks, warps = case[:9]
         kb = case[9] if len(case) > 9 else 1
         iw = P.quantize(torch.randn(n, k, generator=g) * 0.05, group)
@@ -70,13 +65,12 @@ def check_all() -> int:
         if b is not None:
             ref = ref + b.float()
         try:
-            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb, cluster=cl)
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             ok = err < 1e-2 and worst < 3e-2
-            # again: a cluster's split by the second kernel, the others as gemv_ksplit defaults: the same bits
-            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb, cluster=False if cl else None)
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
             same = torch.equal(again, y)
         except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
             ok, same, err, worst = False, False, float("nan"), float("nan")
@@ -84,7 +78,7 @@ def check_all() -> int:
         bad += not (ok and same)
         print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps} kb{kb}: "
               f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
-              f"{' (scaled before the mma)' if dq else ''}{' (a cluster)' if cl else ''}",
+              f"{' (scaled before the mma)' if dq else ''}",
               flush=True)
     return bad
 
@@ -93,24 +87,24 @@ def kblocks_grid(x, w0, ref, copies, a, steps, idx) -> list:
     """(seconds, nan, name, registers) of K split over blocks too: kblocks x tiles a block x warps."""
     rows, n_tiles = [], -(-w0.qweight.shape[0] // 16)
     for kb, spb in sorted({C.ksplit_kblocks(steps, int(v)) for v in a.kblocks.split(",")}):
-        for tpb, warps, occ, cl in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (16, 32), (False, True)):
+        for tpb, warps, occ in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (16, 32)):
             ks = warps // tpb
             if ks < 1 or ks > spb or -(-spb // ks) > 4 or not 96 <= -(-n_tiles // tpb) * kb <= 8192 or \
-                    (warps, occ) in ((16, 32), (32, 16)) or (cl and not (a.cluster and 1 < kb <= C.KSPLIT_CLUSTER_MAX)):
+                    (warps, occ) in ((16, 32), (32, 16)):
                 continue
-            name = f"kb{kb:<2} tiles{tpb:<2} ks{ks:<2} w{warps:<2} occ{occ}{' cluster' if cl else ''}"
+            name = f"kb{kb:<2} tiles{tpb:<2} ks{ks:<2} w{warps:<2} occ{occ}"
             try:
-                y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, kblocks=kb, cluster=cl)
+                y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, kblocks=kb)
                 torch.cuda.synchronize()
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 if not err < 1e-2:
                     raise RuntimeError(f"wrong (rel err {err:.2g})")
                 t = graph_time([lambda w=w: C.gemv_ksplit(x, w, ksplit=ks, warps=warps, occupancy=occ,
-                                                          kblocks=kb, cluster=cl) for w in copies], a.reps)
+                                                          kblocks=kb) for w in copies], a.reps)
                 _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ, kb)
                 shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True, False,
                                       minb, groups=C.ksplit_groups(w0), dequant=C.ksplit_groups(w0) > 1,
-                                      kblocks=kb, cluster=cl)
+                                      kblocks=kb)
                 rows.append((t, float("nan"), name, regs(shape, idx)))
             except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
                 print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -127,8 +121,6 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
     ap.add_argument("--dequant", action="store_true", help="each config both ways: weights scaled before the mma or not")
     ap.add_argument("--kblocks", default="", help="comma list: K split over that many blocks too (its own grid)")
-    ap.add_argument("--cluster", action="store_true",
-                    help="with --kblocks: 2-8 blocks over K also as a thread-block cluster (parts summed in shared memory)")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
     bad = 0 if a.no_check else check_all()

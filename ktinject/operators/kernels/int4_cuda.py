@@ -585,8 +585,6 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define KWC (SPB * 16)                               // words of a row a block stages
 #define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
 #define TR 16                                        // rows a tile (the mma's 16 A rows)
-#define TPB (WARPS / KS)                             // tiles a block
-#define CPS (TPB * TR + 1)                           // (CLUSTER) a row of x's pitch in the block's sums, in floats
 #define NG8 ((MR + 7) / 8)                           // groups of 8 x rows (the 8 B columns of an mma)
 #define CH (GPS == 2 ? 2 : 1)                        // chains of mma a scale group (GPS > 1)
 #define MAGIC_LO (MAGIC & 0xFFFFu)                   // the low half of a pair only (the high half bf16 / fp16 0)
@@ -633,35 +631,11 @@ __device__ __forceinline__ u32 dq(u32 nib, u32 S2) {              // nibble pair
 }
 #endif
 
-#if CLUSTER
-// The KB blocks of a range of tiles form one thread-block cluster (Hopper): each leaves its sums in its own shared
-// memory, and after a cluster barrier each block adds a KB-th of the range's outputs over all KB blocks' shared
-// memory (distributed shared memory), in block order, so no fp32 parts go through global memory and no second kernel
-// runs.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {   // *p in block `rank`'s shared memory
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), b;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(b) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(b) : "memory");
-    return v;
-}
-#define CLUSTER_DIMS __cluster_dims__(1, KB, 1)
-#else
-#define CLUSTER_DIMS
-#endif
-
-// One output of the tile: y (+ bias) in x's type, or (KB > 1) the block's fp32 part of it: in its shared memory,
-// cs[m][n - the range's first row] (CLUSTER), or ws[blockIdx.y][m][n] (ktk_int4_ksplit_sum then adds the KB parts in
-// order, and the bias)
-__device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__ ws, float* cs,
-                                      const u16* __restrict__ bias, int n, int m, int N, int M, int stride_om,
-                                      float y) {
-#if CLUSTER
-    cs[m * CPS + n - (int)blockIdx.x * TPB * TR] = y;
-#elif KB > 1
+// One output of the tile: y (+ bias) in x's type, or (KB > 1) the block's fp32 part of it, ws[blockIdx.y][m][n]
+// (ktk_int4_ksplit_sum then adds the KB parts in order, and the bias)
+__device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__ ws, const u16* __restrict__ bias,
+                                      int n, int m, int N, int M, int stride_om, float y) {
+#if KB > 1
     ws[((size_t)blockIdx.y * M + m) * N + n] = y;
 #else
 #if HAS_BIAS
@@ -693,7 +667,7 @@ __device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__
 // KB > 1 splits K over blocks too (blockIdx.y takes SPB consecutive steps): a block then stages x for its own
 // steps only, so at 8-16 rows a block can hold many tiles (x staged once for all of them) and the grid still
 // fills the GPU; each block leaves fp32 parts that ktk_int4_ksplit_sum adds.
-extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT, MINB)
+extern "C" __global__ void __launch_bounds__(NT, MINB)
 ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
                 const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
                 float* __restrict__ ws, int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm,
@@ -703,7 +677,6 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     u32* xp = smem;                                  // [MR][KWP] x pairs of the block's steps
     float* xsum = (float*)(smem + MR * KWP);         // [MR][SPB][GPS] sum of x over each step's groups
     float* part = xsum + MR * SPB * GPS;             // [WARPS][TR][MR] each warp's sums (KS > 1)
-    float* cs = part + (KS > 1 ? WARPS * TR * MR : 0);   // (CLUSTER) [MR][CPS] the block's sums of its tiles
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int KQ = NSTEP * 4;                        // 16-byte words of a row (KWC: of a block's steps)
     const int n_tiles = (N + TR - 1) / TR;
@@ -940,7 +913,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 float y = 0.f;
 #pragma unroll
                 for (int s = 0; s < KS; s++) y += part[((warp + s) * TR + r) * MR + m];
-                store(out, ws, cs, bias, n, m, N, M, stride_om, y);
+                store(out, ws, bias, n, m, N, M, stride_om, y);
             }
         }
     }
@@ -951,30 +924,10 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const int n = nt * TR + g + (q >> 1) * 8, m = 8 * h + 2 * c + (q & 1);
-                if (n < N && m < MLIVE) store(out, ws, cs, bias, n, m, N, M, stride_om, acc[h][q]);
+                if (n < N && m < MLIVE) store(out, ws, bias, n, m, N, M, stride_om, acc[h][q]);
             }
         }
     }
-#endif
-#if CLUSTER
-    cluster_sync();                                  // every block of the cluster has its sums in place
-    {
-        unsigned rank;
-        asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-        const int r0 = blockIdx.x * TPB * TR, nr = min(TPB * TR, N - r0), tot = MLIVE * nr, per = (tot + KB - 1) / KB;
-        const int end = min(tot, (int)(rank + 1) * per);
-        for (int i = (int)rank * per + tid; i < end; i += NT) {
-            const int m = i / nr, r = i - m * nr;
-            float y = 0.f;
-#pragma unroll
-            for (int b = 0; b < KB; b++) y += ld_cluster(cs + m * CPS + r, b);   // (block order: deterministic)
-#if HAS_BIAS
-            y += to_f32(bias[r0 + r]);
-#endif
-            out[(size_t)m * stride_om + r0 + r] = from_f32(y);
-        }
-    }
-    cluster_sync();                                  // no block leaves while another still reads its sums
 #endif
 }
 """
@@ -1049,7 +1002,7 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
                   "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant), "KB": shape.kblocks,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "NOMATH": int(shape.nomath), "CLUSTER": int(shape.cluster)}
+                  "NOMATH": int(shape.nomath)}
         body = _KSPLIT_SOURCE
     elif isinstance(shape, KsplitSumShape):
         consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
@@ -1147,33 +1100,11 @@ def _self_test(idx: int) -> str | None:
                 worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 if not (err < 1e-2 and worst < 3e-2):
                     return f"self-test mismatch ({name} kernel, relative error {err:.3g}, worst {worst:.3g})"
-        _CLUSTER[idx] = _cluster_test(idx) if major >= 9 else \
-            f"thread-block clusters need compute capability 9.0 or later, this GPU has {major}.{minor}"
         return None
     except Exception as exc:                                          # noqa: BLE001 - reported by doctor
-        return _first_error(exc)
-
-
-def _first_error(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    first_error = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
-    return f"{type(exc).__name__}: {first_error[:200]}"
-
-
-def _cluster_test(idx: int) -> str | None:
-    """The K split over 3 blocks as a cluster against the same split summed by the second kernel: the same bits
-    (9 rows, a ragged last range of tiles, bias); None when they agree, else why not."""
-    from . import int4_pack
-    try:
-        g = torch.Generator(device="cpu").manual_seed(2)
-        tw = int4_pack.tile(int4_pack.quantize(torch.randn(200, 1160, generator=g) * 0.05, 128), 16).to(f"cuda:{idx}")
-        x = torch.randn(9, 1160, generator=g).to(f"cuda:{idx}", torch.bfloat16)
-        b = torch.randn(200, generator=g).to(f"cuda:{idx}", torch.bfloat16)
-        ys = [gemv_ksplit(x, tw, b, ksplit=2, warps=6, kblocks=3, cluster=c) for c in (True, False)]
-        torch.cuda.synchronize()
-        return None if torch.equal(*ys) else "self-test mismatch (the K split over a cluster of blocks)"
-    except Exception as exc:                                          # noqa: BLE001 - reported by doctor
-        return _first_error(exc)
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        first_error = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+        return f"{type(exc).__name__}: {first_error[:200]}"
 
 
 def _checked(x: torch.Tensor, w, bias: torch.Tensor | None):
@@ -1400,24 +1331,12 @@ class KsplitShape:
     groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
     dequant: bool = False  # the weights scaled in x's type before the mma ((q - 8) s a pair; the mins in fp32)
     kblocks: int = 1      # blocks splitting K (grid y), each ceil(steps / kblocks) steps; > 1: fp32 parts, summed
-    cluster: bool = False  # (1 < kblocks <= 8, Hopper) the kblocks blocks a cluster: the parts summed in shared memory
 
 
 @dataclass(frozen=True)
 class KsplitSumShape:     # ktk_int4_ksplit_sum: the K-split blocks' fp32 parts added (+ bias) in x's type
     bf16: bool
     bias: bool
-
-
-KSPLIT_CLUSTER_MAX = 8     # blocks a thread-block cluster holds on every Hopper GPU (the portable size)
-KSPLIT_CLUSTER = False     # `gemv_ksplit(cluster=None)`: run 2-8 blocks over K as a cluster where it can
-_CLUSTER: dict = {}         # device index -> None (clusters run) or why not (the self-test's answer)
-
-
-def cluster_ok(idx: int) -> bool:
-    """True where the K split over blocks can run its blocks as a thread-block cluster on GPU `idx` (compute
-    capability 9.0 or later, and the self-test's cluster case gave the right answer)."""
-    return available(idx) and _CLUSTER.get(idx, "not checked") is None
 
 
 def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
@@ -1427,13 +1346,11 @@ def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
     return -(-steps // per), per
 
 
-def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1, kblocks: int = 1,
-                        cluster: bool = False) -> int:
+def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1, kblocks: int = 1) -> int:
     """Shared memory of ktk_int4_ksplit: x pairs and the steps' group sums (of a block's steps), then
-    (ksplit > 1) each warp's 16 x m sums, then (`cluster`) the block's sums of its tiles, m rows of 16 x tiles + 1."""
+    (ksplit > 1) each warp's 16 x m sums."""
     kw = ksplit_kblocks(kw // 16, kblocks)[1] * 16
-    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + (warps * 16 * m if ksplit > 1 else 0)
-            + (m * (16 * (warps // ksplit) + 1) if cluster else 0)) * 4
+    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + (warps * 16 * m if ksplit > 1 else 0)) * 4
 
 
 def ksplit_groups(w) -> int:
@@ -1467,15 +1384,11 @@ def ksplit_rows(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None, kblocks: int = 1,
-                cluster: bool = False) -> str | None:
+def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None, kblocks: int = 1) -> str | None:
     """Why the K-split GEMV cannot take `m` rows on `w` with this split (on GPU `device_index`: its shared
-    memory) (None when it can); `cluster`: the blocks over K a thread-block cluster."""
+    memory) (None when it can)."""
     if kblocks < 1:
         return f"kblocks must be >= 1, got {kblocks}"
-    if cluster and not 1 < ksplit_kblocks(int(w.qweight.shape[1]) // 16, kblocks)[0] <= KSPLIT_CLUSTER_MAX:
-        return (f"a cluster takes 2..{KSPLIT_CLUSTER_MAX} blocks over K, got "
-                f"{ksplit_kblocks(int(w.qweight.shape[1]) // 16, kblocks)[0]}")
     if not 1 <= m <= KSPLIT_MAX_ROWS:
         return f"it takes 1..{KSPLIT_MAX_ROWS} rows, got {m}"
     try:
@@ -1484,7 +1397,7 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
         return str(exc)
     if device_index is not None:
         ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps), kblocks=kblocks)
-        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups, kblocks, cluster) > \
+        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups, kblocks) > \
                 smem_limit(device_index):
             return (f"{m} rows of {w.in_features} inputs do not fit in shared memory"
                     f"{'' if kblocks > 1 else ' (kblocks > 1 stages a slice of them a block)'}")
@@ -1493,26 +1406,21 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False, dequant: bool | None = None,
-                kblocks: int = 1, cluster: bool | None = None) -> torch.Tensor:
+                kblocks: int = 1) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
     bound asks for. `dequant`: scale the weights in x's type before the mma (one mma a pair for any groups a step);
     None: where a step holds several groups (groups of 32 and 64), where it measured faster. `nomath` (probe: the
     loads and loop alone) applies to the unscaled path only. `kblocks` > 1 splits K over that many blocks as well
-    (each stages x for its own steps; fp32 parts, added in order with the bias). `cluster`: the blocks over K a
-    thread-block cluster that adds its parts in shared memory (Hopper, 2-8 blocks) instead of a second kernel over
-    parts in global memory; None: `KSPLIT_CLUSTER`, where it runs (`cluster_ok`)."""
+    (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias)."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
     if ksplit < 1 or warps < ksplit or warps % ksplit:
         raise ValueError(f"warps ({warps}) must be a multiple of ksplit ({ksplit}) >= 1")
     x, bias, idx = _checked(x, w, bias)
-    if cluster is None:
-        cluster = KSPLIT_CLUSTER and 1 < ksplit_kblocks(kw // 16, kblocks)[0] <= KSPLIT_CLUSTER_MAX and cluster_ok(idx) \
-            and ksplit_fits(w, m, ksplit, warps, idx, kblocks, True) is None
-    why = ksplit_fits(w, m, ksplit, warps, idx, kblocks, cluster)
+    why = ksplit_fits(w, m, ksplit, warps, idx, kblocks)
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
     kblocks = ksplit_kblocks(kw // 16, kblocks)[0]
@@ -1523,18 +1431,17 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
         dequant = groups > 1
     if nomath and dequant:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
-    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks, cluster)
+    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks)
     bf16 = x.dtype == torch.bfloat16
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, dequant, kblocks, cluster)
+                        nomath, m == mr, groups, dequant, kblocks)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 and not cluster \
-        else w.scales
+    ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out, ws,
              n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
              int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks)
-    if kblocks > 1 and not cluster:
+    if kblocks > 1:
         _launch(KsplitSumShape(bf16, bias is not None), idx, -(-(m * n) // 256), 8, 0,
                 [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)])
     return out
