@@ -549,7 +549,8 @@ def test_gpu_ksplit_over_blocks_matches_reference(n, k, group, pack, rows, kspli
 
 @pytest.mark.gpu
 def test_gpu_ksplit_over_blocks_in_a_cuda_graph():
-    """The two kernels of a K split over blocks (the parts, then their sum) replay in a CUDA graph with new x."""
+    """The two kernels of a K split over blocks (the parts, then their sum) replay in a CUDA graph with new x, three
+    calls in one graph over several replays, and give the same bits outside it afterwards."""
     from ktinject.operators.kernels import int4_cuda
     torch.manual_seed(0)
     tw = P.tile(P.quantize(torch.randn(2048, 10944, device="cuda") * 0.02, 64), 16)
@@ -559,11 +560,16 @@ def test_gpu_ksplit_over_blocks_in_a_cuda_graph():
     want = run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run()
-    x.mul_(-1)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.allclose(out.float(), (2 * bias.float() - want.float()), rtol=2e-2, atol=5e-2)
+        outs = [run() for _ in range(3)]
+    for sign in (-1, 1, -1):
+        x.mul_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = want.float() if sign == 1 else 2 * bias.float() - want.float()
+        for out in outs:
+            assert torch.allclose(out.float(), expect, rtol=2e-2, atol=5e-2)
+    x.mul_(-1)                   # x as at first: outside the graph, the same bits as before it
+    assert torch.equal(run(), want)
 
 
 @pytest.mark.gpu
