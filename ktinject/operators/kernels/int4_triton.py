@@ -998,10 +998,10 @@ def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None =
 # 21888 x 2048 a tie (18.76 against 18.84 us), so the class starts at SMALL_GROUPS_WIDE_MIN_MB; K = 7168 (DeepSeek-V3's
 # 129280 x 7168) lost (407.7 against 328.6 us).
 TINYGEMM_SMALL_GROUPS = 128
-SMALL_GROUPS_WIDE = TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16)
+TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (without the CUDA kernels: the lm_head's 420 MB ran dot_x at 16 rows)
+SMALL_GROUPS_WIDE = TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16)   # (one row)
 SMALL_GROUPS_WIDE_MIN_MB = 400.0   # bf16 MB of [N, K]
 SMALL_GROUPS_WIDE_MAX_K = 2048
-TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (without the CUDA kernels: the lm_head's 420 MB ran dot_x at 16 rows)
 
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
@@ -1016,7 +1016,8 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
     then the exact shape, then its class). A class entry does not cover a bucket the CUDA class takes (the tensor-core kernel beat tinygemm
     there) unless the CUDA kernels cannot run (`cuda_ok` False: no NVRTC, KTINJECT_INT4_CUDA=0, ...). With groups
     smaller than TINYGEMM_SMALL_GROUPS (the GGUF Q4_0 / Q4_K repack's 32) tinygemm takes 1-4 rows but no bucket
-    TUNED holds: it beat ours there on every other shape measured (where it cannot run, the K-split kernel does);
+    TUNED holds and not one row of a wide lm_head (`small_groups_wide`): it beat ours there on every other shape
+    measured (where it cannot run, the K-split kernel does);
     5-16 rows go to the K split over blocks. Without the CUDA kernels (their Triton fallbacks run) it takes every
     bucket, 5-16 rows up to 70 MB of bf16 (past that dot_x measured faster)."""
     if group is not None and group < k and group < TINYGEMM_SMALL_GROUPS:
