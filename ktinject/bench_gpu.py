@@ -392,6 +392,31 @@ def bench_generate(layers: int = 4, prompt_tokens: int = 512, new_tokens: int = 
     return rows
 
 
+def int4_target(bf16_mb: float, batch: int) -> float | None:
+    """Issue #5's one-row target for `linear_int4` against bf16 on the H200: 3x on matrices of 64 MiB of bf16 and
+    more, 2x on 8-32 MiB ones (2048 x 2048 to 4096 x 4096); None elsewhere (more rows, or sizes between). `bf16_mb`
+    in 1e6 bytes, as the bench's rows give it."""
+    if batch != 1:
+        return None
+    mib = bf16_mb * 1e6 / 2 ** 20
+    return 3.0 if mib >= 64 else 2.0 if 8 <= mib <= 32 else None
+
+
+def int4_targets(rows: list[dict]) -> list[str]:
+    """Lines saying, per one-row shape with a target, what the operator reaches (its kernel, or tinygemm where its
+    backend auto runs that: the faster of the two) against bf16 and against torch's int4 kernel."""
+    out = []
+    for r in rows:
+        want = int4_target(r["bf16_MB"], r["batch"])
+        if want is None or "ours_us" not in r:
+            continue
+        us = min(r["ours_us"], r["torch_int4_us"]) if r.get("operator_runs") and r.get("torch_int4_us") else r["ours_us"]
+        x = r["bf16_us"] / us
+        vs = f", {r['torch_int4_us'] / us:.2f}x torch int4" if r.get("torch_int4_us") else ""
+        out.append(f"- {r['shape']}: {x:.2f}x bf16 (target {want:.0f}x: {'met' if x >= want else 'short'}){vs}")
+    return out
+
+
 def to_markdown(res: dict) -> str:
     out = [f"Hardware: {res['hardware']}", ""]
     if res.get("int4"):
@@ -409,6 +434,10 @@ def to_markdown(res: dict) -> str:
                        f"{r['ours_us']:.1f} | {r['ours_mode']}{' (auto: tinygemm)' if r.get('operator_runs') else ''} | "
                        f"{r['speedup_vs_bf16']:.2f} | {sp} | {pu} |")
         out.append("")
+        targets = int4_targets(res["int4"])
+        if targets:
+            out += ["One row against issue #5's targets (set for the H200; the hardware line says which GPU this was):",
+                    ""] + targets + [""]
     if res.get("mla"):
         out += ["| model | context | transformers ms | ours eager ms | ours graph ms | x eager | x graph | "
                 "cache B/token (ours / transformers / expanded K,V) |", "|---|---|---|---|---|---|---|---|"]
