@@ -650,7 +650,7 @@ def test_gpu_gemv_in_a_cuda_graph():
 def test_bench_gpu_reports_the_one_row_targets():
     """`python -m ktinject.bench_gpu`'s markdown says, per one-row shape the issue sets a target for, what the
     operator reaches: 3x bf16 from 64 MiB of bf16, 2x on 8-32 MiB (2048 x 2048 .. 4096 x 4096), nothing between or
-    at more rows; where its backend runs tinygemm, the faster of the two."""
+    at more rows, nor at groups of 32; where its backend runs tinygemm, the faster of the two."""
     from ktinject import bench_gpu as B
     mb = lambda n, k: n * k * 2 / 1e6   # noqa: E731  (the bench rows' unit)
     assert (B.int4_target(mb(102400, 2048), 1), B.int4_target(mb(21888, 2048), 1), B.int4_target(mb(4096, 4096), 1),
@@ -663,9 +663,10 @@ def test_bench_gpu_reports_the_one_row_targets():
             dict(base, shape="o_proj", bf16_MB=8.4, batch=1, bf16_us=6.2, ours_us=3.4, torch_int4_us=3.9),
             dict(base, shape="q_proj", bf16_MB=12.6, batch=1, bf16_us=6.7, ours_us=4.1, torch_int4_us=3.3,
                  operator_runs="tinygemm"),
-            dict(base, shape="dense down", bf16_MB=44.8, batch=1, bf16_us=17.7, ours_us=11.7)]
+            dict(base, shape="dense down", bf16_MB=44.8, batch=1, bf16_us=17.7, ours_us=11.7),
+            dict(base, shape="lm_head, Q4_K repack", group=32, bf16_MB=419.4, batch=1, bf16_us=121.6, ours_us=60.0)]
     md = B.to_markdown({"hardware": "NVIDIA H200", "int4": rows})
     assert "- lm_head: 2.83x bf16 (target 3x: short), 1.44x torch int4" in md
     assert "- o_proj: 1.82x bf16 (target 2x: short), 1.15x torch int4" in md
     assert "- q_proj: 2.03x bf16 (target 2x: met), 1.00x torch int4" in md   # (tinygemm runs: the faster)
-    assert md.count("(target ") == 3 and "dense down:" not in md
+    assert md.count("(target ") == 3 and "dense down:" not in md and "repack:" not in md   # (groups of 32: no target)
