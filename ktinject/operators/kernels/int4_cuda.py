@@ -1069,7 +1069,7 @@ def unavailable_reason(device=None) -> str | None:
 
 
 def _self_test(idx: int) -> str | None:
-    """The four kernels on small odd shapes against the dequantized weight; None when they agree."""
+    """The kernels on small odd shapes against the dequantized weight; None when they agree."""
     from . import int4_pack
     major, minor = torch.cuda.get_device_capability(idx)
     if major < 8:
@@ -1089,7 +1089,10 @@ def _self_test(idx: int) -> str | None:
                      lambda x_, t_: gemv_diag(x_, t_, None, warps=2, batch=4, ctas_per_sm=1)),
                     ("ksplit", (200, 1160), 128, 3, lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6)),
                     ("ksplit, groups of 32", (200, 1160), 32, 3,
-                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6))):
+                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=3, warps=6)),
+                    # K over 3 blocks (10 steps: 4 + 4 + 2), 7 rows, then the kernel that adds the parts
+                    ("ksplit over blocks", (200, 1160), 64, 7,
+                     lambda x_, t_: gemv_ksplit(x_, t_, None, ksplit=2, warps=4, kblocks=3))):
                 iw = int4_pack.quantize(torch.randn(n, k, generator=g) * 0.05, group)
                 tw = int4_pack.tile(iw, 16).to(f"cuda:{idx}")
                 x = torch.randn(rows, k, generator=g).to(f"cuda:{idx}", torch.bfloat16)
