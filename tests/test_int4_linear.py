@@ -331,7 +331,7 @@ def test_shape_classes_hold_only_triton_modes():
     assert T.tinygemm_buckets(2048, 2048, 32) == {4} and T.tinygemm_buckets(4096, 4096, 64) == {1, 4}
     assert T.tiled_config(1, 2048, 2048, 32).dequant is None and T.tiled_config(1, 2048, 2048, 32).mode == "ksplit"
     # the wide lm_heads (K = 2048, >= 400 MB of bf16) at groups of 32: the K split at one row (4 warps a tile, 16
-    # warps an SM; TUNED where measured, the class elsewhere), tinygemm at 2-4 rows but where TUNED beat it
+    # warps an SM: the class SMALL_GROUPS_WIDE), tinygemm at 2-4 rows but where TUNED beat it
     assert T.tinygemm_buckets(102400, 2048, 32) == set() and T.tinygemm_buckets(163840, 2048, 32) == {4}
     assert T.tiled_config(1, 163840, 2048, 32) is T.SMALL_GROUPS_WIDE and T.tiled_pack(163840, 2048, 32) == 16
     assert (T.SMALL_GROUPS_WIDE.mode, T.SMALL_GROUPS_WIDE.chunk, T.SMALL_GROUPS_WIDE.num_warps,

@@ -889,12 +889,10 @@ TUNED: dict[tuple[int, int, int, int], TiledConfig] = {
     # H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32 --dequant, thirty-second session): us ours / bf16 /
     # tinygemm (which runs at groups of 32 elsewhere)
     (2048, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=16, chunk=16, pack=16),   # 3.97 / 6.35 / 4.32
-    # the lm_heads at groups of 32, measured on an H100 on 2026-12-06 (scripts/int4_ksplit_probe.py --group 32
-    # [--rows 4] --shapes 102400x2048,151936x2048, thirty-fourth session): us ours / bf16 / tinygemm (the config
-    # before: us); one row: SMALL_GROUPS_WIDE, 4 warps a tile and 16 warps an SM (128 registers a thread)
-    (102400, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16),   # 64.43 / 168.03 / 77.71 (fma 85.44)
+    # the lm_head at groups of 32, four rows, measured on an H100 on 2026-12-06 (scripts/int4_ksplit_probe.py
+    # --group 32 --rows 4 --shapes 102400x2048, thirty-fourth session): us ours / bf16 / tinygemm (the config before:
+    # us); one row of it is SMALL_GROUPS_WIDE's (the class)
     (102400, 2048, 32, 4): TiledConfig("ksplit", block_n=32, num_warps=8, chunk=4, occupancy=16, pack=16),   # 88.58-89.27 / 168.45 / 91.51-92.25 (dot_x 209.96)
-    (151936, 2048, 32, 1): TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16),   # 92.26 / 244.90 / 128.93 (fma 111.09)
     # one row, K split (ksplit): measured on the H200 on 2026-12-04 (scripts/int4_ksplit_probe.py, twentieth
     # session, device run 1): us ours / bf16 / tinygemm (the config before: us)
     (21888, 2048, 128, 1): TiledConfig("ksplit", block_n=16, num_warps=8, chunk=8, pack=16),   # 12.11 / 25.40 / 15.28 (diag 12.63)
@@ -994,9 +992,10 @@ def ksplit_class_config(k: int, bucket: int = 1, n: int = 0, group: int | None =
 # rows 2048 x 2048 6.45-6.79 against tinygemm's 7.87, 4096 x 4096 14.01 / 22.98, the lm_head 126.65 / 238.87 (at 8
 # rows 5.84-5.89 / 5.48, 91.16 / 144.05: tinygemm wins 2048 x 2048 at 8 rows only).
 # Since the thirty-fourth session the wide lm_heads (K = 2048) at groups of 32 run the K split at one row: 4 warps a
-# tile at 16 warps an SM measured 17% faster than tinygemm on both measured (102400 and 151936 rows; TUNED), and on
-# 21888 x 2048 a tie (18.76 against 18.84 us), so the class starts at SMALL_GROUPS_WIDE_MIN_MB; K = 7168 (DeepSeek-V3's
-# 129280 x 7168) lost (407.7 against 328.6 us).
+# tile at 16 warps an SM (128 registers a thread) measured 17% faster than tinygemm on both measured (H100,
+# scripts/int4_ksplit_probe.py --group 32: 102400 x 2048 64.43 against 77.71 us, fma before 85.44, bf16 168.03;
+# 151936 x 2048 92.26 against 128.93, fma 111.09, bf16 244.90), and on 21888 x 2048 a tie (18.76 against 18.84 us),
+# so the class starts at SMALL_GROUPS_WIDE_MIN_MB; K = 7168 (DeepSeek-V3's 129280 x 7168) lost (407.7 against 328.6).
 TINYGEMM_SMALL_GROUPS = 128
 TINYGEMM_SMALL_GROUPS_16_ROWS_MAX_MB = 70.0   # (without the CUDA kernels: the lm_head's 420 MB ran dot_x at 16 rows)
 SMALL_GROUPS_WIDE = TiledConfig("ksplit", block_n=16, num_warps=4, chunk=4, occupancy=16, pack=16)   # (one row)
