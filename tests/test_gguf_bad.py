@@ -68,6 +68,16 @@ def test_wrong_magic(good, tmp_path):
     _fails(bad, match="magic")
 
 
+def test_unknown_value_type_is_named_plainly(good, tmp_path):
+    data = bytearray(good.read_bytes())
+    keylen = struct.unpack_from("<Q", data, 24)[0]            # the first key: length, name, then its value type
+    struct.pack_into("<I", data, 32 + keylen, 0xFFFFFFFF)
+    bad = tmp_path / "vtype.gguf"
+    bad.write_bytes(bytes(data))
+    text = _fails(bad, match="4294967295 is not a valid GGUFValueType")
+    assert "np." not in text, text
+
+
 @pytest.mark.parametrize("version", [1, 99])
 def test_unsupported_version(good, tmp_path, version):
     data = bytearray(good.read_bytes())

@@ -205,8 +205,12 @@ def _field_value(field, file):
     return value
 
 
+_NP_REPR = re.compile(r"\bnp\.\w+\(([^()]*)\)")
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
+    text = _NP_REPR.sub(r"\1", text)          # gguf's messages hold numpy reprs: np.uint32(7) -> 7
     return text if len(text) < 200 else text[:200] + "..."
 
 
