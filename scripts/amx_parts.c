@@ -450,7 +450,7 @@ static int i8(void) {
         for (int64_t i = 0; i < 32 * K * COLD; i++) A[i] = (int8_t)(((uint64_t)i * 2654435761u >> 13) % 255 - 127);
         float *ws = aligned_alloc(64, 32 * KS * 4);
         for (int64_t i = 0; i < 32 * KS; i++) ws[i] = 1e-3f * (1 + i % 7);
-        uint8_t *wk = aligned_alloc(64, (size_t)(32 * KS * COLD));   /* I4 sub-scales, a block's after another's */
+        uint8_t *wk = aligned_alloc(64, (size_t)32 * (size_t)KS * (size_t)COLD);   /* I4 sub-scales, a block's after another's */
         for (int64_t i = 0; i < 32 * KS * COLD; i++) wk[i] = (uint8_t)((i * 37) % 16);
         uint16_t *wt = aligned_alloc(64, (size_t)(32 * 2 * 2048));
         for (int64_t i = 0; i < 32 * K; i++) wt[i] = 0x3f80 + (uint16_t)(i % 64);
