@@ -334,6 +334,9 @@ def test_shape_classes_hold_only_triton_modes():
     # warps an SM: the class SMALL_GROUPS_WIDE), tinygemm at 2-4 rows but where TUNED beat it
     assert T.tinygemm_buckets(102400, 2048, 32) == set() and T.tinygemm_buckets(163840, 2048, 32) == {4}
     assert T.tiled_config(1, 163840, 2048, 32) is T.SMALL_GROUPS_WIDE and T.tiled_pack(163840, 2048, 32) == 16
+    for n in (102400, 151936):                       # the measured lm_heads: the class, with no TUNED entry of their own
+        assert (n, 2048, 32, 1) not in T.TUNED and T.tiled_config(1, n, 2048, 32) is T.SMALL_GROUPS_WIDE, n
+        assert 1 not in T.tinygemm_buckets(n, 2048, 32), n
     assert (T.SMALL_GROUPS_WIDE.mode, T.SMALL_GROUPS_WIDE.chunk, T.SMALL_GROUPS_WIDE.num_warps,
             T.SMALL_GROUPS_WIDE.occupancy) == ("ksplit", 4, 4, 16)
     for n, k, g in ((21888, 2048, 32), (129280, 7168, 32), (163840, 2048, 64), (163840, 2048, 128)):
