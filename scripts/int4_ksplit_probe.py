@@ -3,6 +3,7 @@
 next to bf16, the plain read of the same bytes, `linear_int4`'s path today and torch's tinygemm.
 
     python3 scripts/int4_ksplit_probe.py [--shapes 2048x2048,4096x4096] [--top 4] [--rows 4] [--group 32] [--dequant]
+        [--occupancy 16,32,48,64]
     python3 scripts/int4_ksplit_probe.py --rows 16 --kblocks 1,2,4,8,16 [--shapes ...]
 
 First a correctness pass (1, 2, 3, 4, 8, 9, 13 and 16 rows of x, bias, fp16, pack 32, ragged N, per-channel groups) against
@@ -29,7 +30,18 @@ from ktinject.operators.kernels import int4_cuda as C, int4_pack as P, int4_trit
 from int4_grid_probe import reference_paths, regs, shape_setup  # noqa: E402  (this folder)
 
 
-def check_all() -> int:
+PERSIST_CASES = [  # more tiles than a persistent grid holds at once (132 SMs x 4 blocks): several rounds a block
+    (21888, 2048, 128, 16, 1, torch.bfloat16, True, 8, 8),
+    (21000, 2048, 128, 16, 3, torch.float16, False, 8, 16),       # (1312.5 tiles: the last half empty)
+    (12000, 1536, 64, 16, 1, torch.bfloat16, True, 4, 8),         # (groups of 64: scaled before the mma)
+    (40000, 1024, 32, 16, 2, torch.bfloat16, False, 8, 8),
+    (9000, 4096, 256, 32, 1, torch.bfloat16, False, 16, 16),
+]
+
+
+def check_all(persist: bool = False) -> int:
+    """Each case against the dequantized weight; `persist`: the cases of one block over K and PERSIST_CASES
+    with the persistent grid, each also bit for bit against the same config without it."""
     bad = 0
     g = torch.Generator(device="cpu").manual_seed(3)
     cases = [  # (n, k, group, pack, rows, dtype, bias, ksplit, warps[, kblocks])
@@ -54,6 +66,8 @@ def check_all() -> int:
         (2048, 2048, 32, 16, 8, torch.bfloat16, False, 1, 16, 16),
         (640, 1160, 128, 16, 5, torch.bfloat16, True, 2, 8, 4),
     ]
+    if persist:
+        cases = [c for c in cases if len(c) < 10] + PERSIST_CASES
     for case, dq in [(c, False) for c in cases] + [(c, True) for c in cases if c[3] == 16]:
         n, k, group, pack, rows, dt, with_bias, ks, warps = case[:9]
         kb = case[9] if len(case) > 9 else 1
@@ -65,18 +79,19 @@ def check_all() -> int:
         if b is not None:
             ref = ref + b.float()
         try:
-            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
+            y = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb, persist=persist)
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
             worst = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             ok = err < 1e-2 and worst < 3e-2
-            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)
+            again = C.gemv_ksplit(x, tw, b, ksplit=ks, warps=warps, dequant=dq, kblocks=kb)   # (persist: without)
             same = torch.equal(again, y)
         except Exception as exc:                                      # noqa: BLE001 - a probe: report, go on
             ok, same, err, worst = False, False, float("nan"), float("nan")
             print(f"  {type(exc).__name__}: {str(exc)[:300]}")
         bad += not (ok and same)
-        print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps} kb{kb}: "
+        print(f"check {n}x{k} G{group} P{pack} rows {rows} {str(dt)[6:]} bias {with_bias} ks{ks} w{warps} kb{kb}"
+              f"{' persist' if persist else ''}: "
               f"rel err {err:.2g}, worst {worst:.2g}, deterministic {same}: {'ok' if ok and same else 'WRONG'}"
               f"{' (scaled before the mma)' if dq else ''}",
               flush=True)
@@ -120,10 +135,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--group", type=int, default=128, help="scale group size of the weights (32, 64, 128 ...)")
     ap.add_argument("--dequant", action="store_true", help="each config both ways: weights scaled before the mma or not")
+    ap.add_argument("--occupancy", default="16,32", help="comma list: warps an SM the launch bound asks for")
+    ap.add_argument("--persist", action="store_true", help="each config also as a persistent grid (checked too)")
     ap.add_argument("--kblocks", default="", help="comma list: K split over that many blocks too (its own grid)")
     a = ap.parse_args(argv)
     print(hardware_line(), flush=True)
-    bad = 0 if a.no_check else check_all()
+    bad = 0 if a.no_check else check_all() + (check_all(persist=True) if a.persist else 0)
     roof = read_bandwidth()
     print(f"HBM read roofline {roof / 1e9:.0f} GB/s", flush=True)
     idx = C.device_index("cuda")
@@ -137,30 +154,34 @@ def main(argv=None) -> int:
         found.append((graph_time([lambda w=w: T.int4_gemv_tiled(x, w, None, tri) for w in copies], a.reps),
                       f"Triton class ({tri.mode})"))
         steps = k // 128
+        occs = [int(v) for v in a.occupancy.split(",")]
         rows = []
         if a.kblocks:
             rows = kblocks_grid(x, w0, ref, copies, a, steps, idx)
         for ks in [] if a.kblocks else sorted({s for s in (4, 8, 16, 32) if s <= steps}):
             for warps in sorted({ks, 2 * ks} & set(range(1, 33))):
-                for occ, dq in [(o, d) for o in (16, 32) for d in ((False, True) if a.dequant else (None,))]:
+                for occ, dq, pe in [(o, d, p) for o in occs for d in ((False, True) if a.dequant else (None,))
+                                    for p in ((False, True) if a.persist else (False,))]:
                     scaled = dq if dq is not None else C.ksplit_groups(w0) > 1     # (gemv_ksplit's default)
                     try:
                         res = []
                         for nomath in ((False,) if scaled else (False, True)):
-                            y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, nomath=nomath, dequant=dq)
+                            y = C.gemv_ksplit(x, w0, ksplit=ks, warps=warps, occupancy=occ, nomath=nomath, dequant=dq,
+                                              persist=pe)
                             torch.cuda.synchronize()
                             if not nomath:
                                 err = ((y.float() - ref).norm() / ref.norm()).item()
                                 if not err < 1e-2:
                                     raise RuntimeError(f"wrong (rel err {err:.2g})")
                             res.append(graph_time([lambda w=w, nm=nomath: C.gemv_ksplit(
-                                x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm, dequant=dq) for w in copies],
-                                a.reps))
+                                x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm, dequant=dq, persist=pe)
+                                for w in copies], a.reps))
                         res += [float("nan")] * (2 - len(res))
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
                         shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
-                                              False, minb, groups=C.ksplit_groups(w0), dequant=scaled)
-                        rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' scaled' if scaled else ''}",
+                                              False, minb, groups=C.ksplit_groups(w0), dequant=scaled, persist=pe)
+                        rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' scaled' if scaled else ''}"
+                                     f"{' persist' if pe else ''}",
                                      regs(shape, idx)))
                     except Exception as exc:                          # noqa: BLE001 - a probe: report, go on
                         print(f"  ks{ks} w{warps} occ{occ} dq {dq}: {type(exc).__name__}: {str(exc)[:120]}")

@@ -5,6 +5,7 @@
     ROWS_SWEEP=1 python3 scripts/int4_ncu_small.py         # and mode rows over a few launch configs
     NCU=1 ncu --profile-from-start off --csv --section SpeedOfLight --section WarpStateStats --section LaunchStats \
         --section Occupancy python3 scripts/int4_ncu_small.py   # each kernel twice, for the profiler
+    KSPLIT=8,8 SHAPES=21888x2048 ...                        # and the K-split GEMV (ksplit, warps), with and without math
 
 Per shape (SHAPES, default 2048x2048,4096x4096): a plain read of the int4 bytes (Triton, 16 KB a
 program, 4 warps: the fastest config of int4_grid_probe's floor on these shapes), linear_int4's
@@ -56,6 +57,12 @@ def kernels(n: int, k: int):
            "bf16": [lambda w=w: F.linear(x, w) for w in bfs]}
     if tg[0] is not None:
         out["tinygemm"] = [lambda f=f: f(x) for f in tg]
+    if os.environ.get("KSPLIT"):                     # KSPLIT=ksplit,warps: the K-split kernel with and without math
+        from ktinject.operators.kernels.int4_cuda import gemv_ksplit
+        ks, warps = (int(v) for v in os.environ["KSPLIT"].split(","))
+        for name, nm in (("ksplit", False), ("ksplit_nomath", True)):
+            out[name] = [lambda w=w, nm=nm: gemv_ksplit(x, w, ksplit=ks, warps=warps, nomath=nm, dequant=False)
+                         for w in tiled]
     return out, tiled
 
 

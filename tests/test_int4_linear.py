@@ -401,6 +401,12 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     one = int4_cuda.ksplit_shared_bytes(16, 1376, 32, 2, 2)
     assert int4_cuda.ksplit_shared_bytes(16, 1376, 32, 2, 2, kblocks=16) < one / 5   # (x: 28 of 407 KiB)
     assert "kblocks must be >= 1" in int4_cuda.ksplit_fits(tw, 1, 2, 2, kblocks=0)
+    # the persistent grid (a probe option): two buffers of the warps' sums, and the flag in the source
+    assert int4_cuda.ksplit_shared_bytes(1, 256, 16, 16, persist=True) - int4_cuda.ksplit_shared_bytes(1, 256, 16, 16) \
+        == 16 * 16 * 1 * 4
+    persist = int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, persist=True)
+    assert "#define PERSIST 1" in int4_cuda.source(persist)
+    assert "#define PERSIST 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
@@ -548,6 +554,30 @@ def test_gpu_ksplit_over_blocks_matches_reference(n, k, group, pack, rows, kspli
         assert (split - one).abs().max() <= 2e-2 * one.abs().max()   # (rounded once at the end both ways)
     else:                        # 16 rows of 10944 inputs: staged whole, x does not fit in one block
         assert k > 10000 and "do not fit in shared memory (kblocks > 1 stages a slice" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group,pack,rows,ksplit,warps,dtype,bias", [
+    (21888, 2048, 128, 16, 1, 16, 16, torch.bfloat16, True), (21888, 2048, 128, 16, 1, 8, 8, torch.bfloat16, False),
+    (21000, 2048, 128, 16, 3, 8, 16, torch.float16, False), (12000, 1536, 64, 16, 1, 4, 8, torch.bfloat16, True),
+    (40000, 1024, 32, 16, 2, 8, 8, torch.bfloat16, False), (9000, 4096, 256, 32, 1, 16, 16, torch.bfloat16, False),
+    (40, 2176, 128, 16, 1, 1, 2, torch.float16, True)])
+def test_gpu_ksplit_persistent_grid_gives_the_same_bits(n, k, group, pack, rows, ksplit, warps, dtype, bias):
+    """`gemv_ksplit(persist=True)` (a probe option): a grid of as many blocks as fit on the SMs at once, each taking
+    rounds of tiles with the next round's loads in flight under this round's math, gives the same bits as the
+    ordinary grid: several rounds a block, a ragged last round (1312.5 tiles), groups of 32 / 64 scaled before the
+    mma, pack 32, fp16, 1-3 rows, and one block with a single tile; it refuses kblocks > 1."""
+    from ktinject.operators.kernels import int4_cuda
+    _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps, persist=True),
+                            n, k, group, pack, rows, dtype, bias)
+    torch.manual_seed(2)
+    tw = P.tile(P.quantize(torch.randn(n, k, device="cuda") * 0.02, group), pack)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    assert torch.equal(int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps, persist=True),
+                       int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps))
+    with pytest.raises(ValueError, match="persist takes kblocks=1"):
+        int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps, kblocks=2, persist=True)
 
 
 @pytest.mark.gpu

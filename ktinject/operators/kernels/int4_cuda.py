@@ -645,6 +645,34 @@ __device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__
 #endif
 }
 
+// The words of rows ra = 16 nt + g and rb = ra + 8 of tile nt for the warp's steps (zeros past the tiles or the
+// block's steps), and their (scale, min) pairs per step and group (the lanes that hold x columns, or all with DQ)
+__device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u16* __restrict__ sc,
+                                           const u16* __restrict__ mn, int nt, int n_tiles, int N, int NG,
+                                           int g_shift, int s0, int nsb, int s_lo, int g, int c, bool hold,
+                                           uint4 (&wa)[SPW], uint4 (&wb)[SPW], u32 (&pa)[SPW][GPS],
+                                           u32 (&pb)[SPW][GPS]) {
+    const int KQ = NSTEP * 4;                        // 16-byte words of a row
+    const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const bool ok = nt < n_tiles && s_lo + s < nsb;
+        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        const int st = s0 + min(s_lo + s, nsb - 1);
+        const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
+#pragma unroll
+        for (int j = 0; j < GPS; j++) {
+            const size_t go = (size_t)min(g0 + j, NG - 1) * N;
+            pa[s][j] = hold || DQ ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;   // (DQ: all lanes)
+            pb[s][j] = hold || DQ ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+        }
+    }
+}
+
 // The small matrices' GEMV (mode "ksplit", 1-16 rows of x). The mma's roles are those of ktk_int4_mma
 // swapped: the weights are A (16 rows: lane L = 4 g + c holds rows 16 nt + g and + 8, words 16 st + 4 c ..
 // + 3 of step st, each word's nibble pairs (a, a + 4) as exact bf16 (fp16) pairs MAGIC_V + q) and x is B
@@ -678,9 +706,13 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     float* xsum = (float*)(smem + MR * KWP);         // [MR][SPB][GPS] sum of x over each step's groups
     float* part = xsum + MR * SPB * GPS;             // [WARPS][TR][MR] each warp's sums (KS > 1)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const int KQ = NSTEP * 4;                        // 16-byte words of a row (KWC: of a block's steps)
     const int n_tiles = (N + TR - 1) / TR;
+#if PERSIST
+    const int nt0 = blockIdx.x * (WARPS / KS) + warp / KS, nt_step = gridDim.x * (WARPS / KS);
+    int nt = nt0;                                    // (the tile of this round; the rounds' loop below)
+#else
     const int nt = blockIdx.x * (WARPS / KS) + warp / KS;
+#endif
 #if KB > 1
     const int s0 = blockIdx.y * SPB, nsb = min(SPB, NSTEP - s0);   // the block's first step, its step count
 #else
@@ -688,27 +720,10 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #endif
     const int s_lo = (warp % KS) * SPW;              // the warp's first step (of the block's)
     const bool hold = 2 * c < MR;                    // this lane's D columns 2 c, 2 c + 1 hold x rows
-    const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
 
     uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
     u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
-#pragma unroll
-    for (int s = 0; s < SPW; s++) {
-        const bool ok = nt < n_tiles && s_lo + s < nsb;
-        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
-        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int s = 0; s < SPW; s++) {
-        const int st = s0 + min(s_lo + s, nsb - 1);
-        const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
-#pragma unroll
-        for (int j = 0; j < GPS; j++) {
-            const size_t go = (size_t)min(g0 + j, NG - 1) * N;
-            pa[s][j] = hold || DQ ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;   // (DQ: all lanes)
-            pb[s][j] = hold || DQ ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
-        }
-    }
+    tile_loads(qw, sc, mn, nt, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, hold, wa, wb, pa, pb);
 
     // x pairs and step sums: 16 threads a (row of x, step), thread r of them the 8 consecutive inputs
     // j0 .. j0 + 7 of slice i = r / 2 of its tile (j0 = the step's first word in the tile + 8 (r % 2)): one
@@ -759,6 +774,17 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         m0[h] = 8 * h + 2 * c < MR ? 8 * h + 2 * c : 0;
         m1[h] = 8 * h + 2 * c + 1 < MR ? 8 * h + 2 * c + 1 : m0[h];
     }
+#if PERSIST
+    // PERSIST (probe): a grid of a few blocks an SM; each stages x once and takes the rounds of tiles nt0,
+    // nt0 + nt_step, ... (a round: the block's tiles), the next round's words and scales loaded into registers
+    // before this round's math, the warps' sums in two alternating buffers (one barrier a round)
+    float* const ring = part;
+    for (int round = 0; nt0 - warp / KS + round * nt_step < n_tiles; round++) {
+    float* part = ring + (round & 1) * (WARPS * TR * MR);
+    uint4 wa2[SPW], wb2[SPW];
+    u32 pa2[SPW][GPS], pb2[SPW][GPS];
+    tile_loads(qw, sc, mn, nt + nt_step, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, hold, wa2, wb2, pa2, pb2);
+#endif
     float acc[NG8][4];                               // per group: (ra, m0), (ra, m1), (rb, m0), (rb, m1)
 #pragma unroll
     for (int h = 0; h < NG8; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
@@ -929,6 +955,16 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
         }
     }
 #endif
+#if PERSIST
+#pragma unroll
+    for (int s = 0; s < SPW; s++) {
+        wa[s] = wa2[s]; wb[s] = wb2[s];
+#pragma unroll
+        for (int j = 0; j < GPS; j++) { pa[s][j] = pa2[s][j]; pb[s][j] = pb2[s][j]; }
+    }
+    nt += nt_step;
+    }
+#endif
 }
 """
 
@@ -1002,7 +1038,7 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
                   "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant), "KB": shape.kblocks,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "NOMATH": int(shape.nomath)}
+                  "NOMATH": int(shape.nomath), "PERSIST": int(shape.persist)}
         body = _KSPLIT_SOURCE
     elif isinstance(shape, KsplitSumShape):
         consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
@@ -1334,6 +1370,7 @@ class KsplitShape:
     groups: int = 1       # scale groups a 128-input step: 1, or with pack 16 2 (groups of 64) or 4 (of 32)
     dequant: bool = False  # the weights scaled in x's type before the mma ((q - 8) s a pair; the mins in fp32)
     kblocks: int = 1      # blocks splitting K (grid y), each ceil(steps / kblocks) steps; > 1: fp32 parts, summed
+    persist: bool = False  # (probe: min_blocks blocks an SM, each taking rounds of tiles, the next round's loads early)
 
 
 @dataclass(frozen=True)
@@ -1349,11 +1386,13 @@ def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
     return -(-steps // per), per
 
 
-def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1, kblocks: int = 1) -> int:
+def ksplit_shared_bytes(m: int, kw: int, warps: int, ksplit: int, groups: int = 1, kblocks: int = 1,
+                        persist: bool = False) -> int:
     """Shared memory of ktk_int4_ksplit: x pairs and the steps' group sums (of a block's steps), then
-    (ksplit > 1) each warp's 16 x m sums."""
+    (ksplit > 1) each warp's 16 x m sums (`persist`: two such buffers)."""
     kw = ksplit_kblocks(kw // 16, kblocks)[1] * 16
-    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + (warps * 16 * m if ksplit > 1 else 0)) * 4
+    parts = (warps * 16 * m if ksplit > 1 else 0) * (2 if persist else 1)
+    return (m * (kw * 4 + (kw // 8) * 4) + m * (kw // 16) * groups + parts) * 4
 
 
 def ksplit_groups(w) -> int:
@@ -1387,9 +1426,10 @@ def ksplit_rows(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None, kblocks: int = 1) -> str | None:
+def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = None, kblocks: int = 1,
+                persist: bool = False) -> str | None:
     """Why the K-split GEMV cannot take `m` rows on `w` with this split (on GPU `device_index`: its shared
-    memory) (None when it can)."""
+    memory; `persist`: the persistent grid's) (None when it can)."""
     if kblocks < 1:
         return f"kblocks must be >= 1, got {kblocks}"
     if not 1 <= m <= KSPLIT_MAX_ROWS:
@@ -1400,7 +1440,7 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
         return str(exc)
     if device_index is not None:
         ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps), kblocks=kblocks)
-        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups, kblocks) > \
+        if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups, kblocks, persist) > \
                 smem_limit(device_index):
             return (f"{m} rows of {w.in_features} inputs do not fit in shared memory"
                     f"{'' if kblocks > 1 else ' (kblocks > 1 stages a slice of them a block)'}")
@@ -1409,21 +1449,23 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False, dequant: bool | None = None,
-                kblocks: int = 1) -> torch.Tensor:
+                kblocks: int = 1, persist: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
     bound asks for. `dequant`: scale the weights in x's type before the mma (one mma a pair for any groups a step);
     None: where a step holds several groups (groups of 32 and 64), where it measured faster. `nomath` (probe: the
     loads and loop alone) applies to the unscaled path only. `kblocks` > 1 splits K over that many blocks as well
-    (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias)."""
+    (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias).
+    `persist` (probe; kblocks 1): as many blocks as the launch bound puts on the SMs at once, each taking rounds of
+    tiles with the next round's weights loaded before this round's math."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
     if ksplit < 1 or warps < ksplit or warps % ksplit:
         raise ValueError(f"warps ({warps}) must be a multiple of ksplit ({ksplit}) >= 1")
     x, bias, idx = _checked(x, w, bias)
-    why = ksplit_fits(w, m, ksplit, warps, idx, kblocks)
+    why = ksplit_fits(w, m, ksplit, warps, idx, kblocks, persist)
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
     kblocks = ksplit_kblocks(kw // 16, kblocks)[0]
@@ -1434,10 +1476,14 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
         dequant = groups > 1
     if nomath and dequant:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
-    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks)
+    if persist:
+        if kblocks > 1:
+            raise ValueError("persist takes kblocks=1")
+        blocks = min(blocks, torch.cuda.get_device_properties(idx).multi_processor_count * min_blocks)
+    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks, persist)
     bf16 = x.dtype == torch.bfloat16
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, dequant, kblocks)
+                        nomath, m == mr, groups, dequant, kblocks, persist)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,
