@@ -1478,7 +1478,7 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
     if persist:
         if kblocks > 1:
-            raise ValueError("persist takes kblocks=1")
+            raise ValueError(f"persist takes kblocks=1 (K over one block), got kblocks={kblocks}")
         blocks = min(blocks, torch.cuda.get_device_properties(idx).multi_processor_count * min_blocks)
     smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks, persist)
     bf16 = x.dtype == torch.bfloat16
