@@ -225,6 +225,15 @@ __device__ __forceinline__ void stage_xsum(const u16* __restrict__ x, int stride
     }
 }
 
+// (w & mask) | magic in one LOP3, for a nibble pair as the exact pair MAGIC_V + q. A LOP3 takes one immediate; given
+// the mask and MAGIC as two, ptxas splits the expression into two LOP3s. Here both come in registers (held once).
+__device__ __forceinline__ u32 qpair(u32 w, u32 mask, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(magic));
+    return r;
+}
+__device__ __forceinline__ u32 in_reg(u32 v) { u32 r; asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v)); return r; }
+
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if XBF16
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -255,6 +264,7 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
              int N, int K, int KW, int g_shift, int NG, int M, int stride_xm, int stride_om)
 {
     extern __shared__ u32 smem[];
+    const u32 qmask = in_reg(0x000F000Fu), qmagic = in_reg(MAGIC);   // (qpair's operands, in registers)
     const int KWP = KW * 4 + (KW / 8) * 4;           // padded row of x pairs
     u32* xp = smem;                                  // [M + 1][KWP] x pairs (nibble a, a + 4) per word; row M = 0
     float* xsum = (float*)(smem + (M + 1) * KWP);    // [M][NSTEP] sum of x over each step's inputs
@@ -317,8 +327,8 @@ ktk_int4_mma(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16*
 #pragma unroll
                 for (int u = 0; u < 4; u++) {
                     const u32 w = wv[u];
-                    const u32 q0 = (w & 0x000F000Fu) | MAGIC, q1 = ((w >> 4) & 0x000F000Fu) | MAGIC;
-                    const u32 q2 = ((w >> 8) & 0x000F000Fu) | MAGIC, q3 = ((w >> 12) & 0x000F000Fu) | MAGIC;
+                    const u32 q0 = qpair(w, qmask, qmagic), q1 = qpair(w >> 4, qmask, qmagic);
+                    const u32 q2 = qpair(w >> 8, qmask, qmagic), q3 = qpair(w >> 12, qmask, qmagic);
                     const int wo = (st * 16 + u) * 4 + st * 8;  // word 16 st + 4 c + u (with lo)
                     const uint4 xa = *(const uint4*)&xa_row[wo];
 #if M16
@@ -401,6 +411,7 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
               int N, int K, int KW, int g_shift, int NG, int M, int stride_xm, int stride_om)
 {
     extern __shared__ u32 smem[];
+    const u32 qmask = in_reg(0x000F000Fu), qmagic = in_reg(MAGIC);   // (qpair's operands, in registers)
     const int KWP = KW * 4 + (KW / 8) * 4;           // padded row of x pairs (as ktk_int4_mma)
     u32* xp = smem;                                  // [M][KWP] x pairs, then 64 + 8 zero words
     u32* zero = smem + M * KWP;
@@ -513,8 +524,8 @@ ktk_int4_diag(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16
                     d[u & 3] += __int_as_float(w & 0x3FFFFFFFu);
                     continue;
 #endif
-                    const u32 q0 = (w & 0x000F000Fu) | MAGIC, q1 = ((w >> 4) & 0x000F000Fu) | MAGIC;
-                    const u32 q2 = ((w >> 8) & 0x000F000Fu) | MAGIC, q3 = ((w >> 12) & 0x000F000Fu) | MAGIC;
+                    const u32 q0 = qpair(w, qmask, qmagic), q1 = qpair(w >> 4, qmask, qmagic);
+                    const u32 q2 = qpair(w >> 8, qmask, qmagic), q3 = qpair(w >> 12, qmask, qmagic);
                     const uint4 xa = needA ? *(const uint4*)(pa + u * 4) : make_uint4(0u, 0u, 0u, 0u);
                     const uint4 xb = needB ? *(const uint4*)(pb + u * 4) : make_uint4(0u, 0u, 0u, 0u);
                     mma((u & 1) ? e : d, xa.x, xb.x, xa.y, xb.y, q0, q1);
@@ -618,8 +629,8 @@ __device__ __forceinline__ void dq_pairs(const u32 (&p)[GPS], u32 (&S2)[2]) {
         S2[k] = pack_half2(p[lo] & 0xFFFFu, p[hi] & 0xFFFFu);
     }
 }
-__device__ __forceinline__ u32 dq(u32 nib, u32 S2) {              // nibble pair -> (q - 8) s pair, rounded once
-    u32 t = nib | MAGIC, r;
+__device__ __forceinline__ u32 dq(u32 t, u32 S2) {                // pair MAGIC_V + q -> (q - 8) s pair, rounded once
+    u32 r;
 #if XBF16
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(t) : "r"(t), "r"(0x3F803F80u), "r"(0xC308C308u));   // - 136: exact
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(S2), "r"(0x80008000u));
@@ -702,6 +713,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 int stride_om, int xvec)
 {
     extern __shared__ u32 smem[];
+    const u32 qmask = in_reg(0x000F000Fu), qmagic = in_reg(MAGIC);   // (qpair's operands, in registers)
     u32* xp = smem;                                  // [MR][KWP] x pairs of the block's steps
     float* xsum = (float*)(smem + MR * KWP);         // [MR][SPB][GPS] sum of x over each step's groups
     float* part = xsum + MR * SPB * GPS;             // [WARPS][TR][MR] each warp's sums (KS > 1)
@@ -806,10 +818,10 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const u32 A = va[u], B = vb[u];
-                const u32 a0 = dq(A & 0x000F000Fu, Sa[0]), b0 = dq(B & 0x000F000Fu, Sb[0]);
-                const u32 a1 = dq((A >> 4) & 0x000F000Fu, Sa[0]), b1 = dq((B >> 4) & 0x000F000Fu, Sb[0]);
-                const u32 a2 = dq((A >> 8) & 0x000F000Fu, Sa[1]), b2 = dq((B >> 8) & 0x000F000Fu, Sb[1]);
-                const u32 a3 = dq((A >> 12) & 0x000F000Fu, Sa[1]), b3 = dq((B >> 12) & 0x000F000Fu, Sb[1]);
+                const u32 a0 = dq(qpair(A, qmask, qmagic), Sa[0]), b0 = dq(qpair(B, qmask, qmagic), Sb[0]);
+                const u32 a1 = dq(qpair(A >> 4, qmask, qmagic), Sa[0]), b1 = dq(qpair(B >> 4, qmask, qmagic), Sb[0]);
+                const u32 a2 = dq(qpair(A >> 8, qmask, qmagic), Sa[1]), b2 = dq(qpair(B >> 8, qmask, qmagic), Sb[1]);
+                const u32 a3 = dq(qpair(A >> 12, qmask, qmagic), Sa[1]), b3 = dq(qpair(B >> 12, qmask, qmagic), Sb[1]);
 #pragma unroll
                 for (int h = 0; h < NG8; h++) {
                     const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
@@ -866,10 +878,10 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                 for (int h = 0; h < NG8; h++) {
                     const uint4 xv = *(const uint4*)&xrow[h][(st * 16 + u) * 4 + st * 8];   // pairs a = 0..3
 #if GPS == 1
-                    mma((u & 1) ? e[h] : d[h], (A & 0x000F000Fu) | MAGIC, (B & 0x000F000Fu) | MAGIC,
-                        ((A >> 4) & 0x000F000Fu) | MAGIC, ((B >> 4) & 0x000F000Fu) | MAGIC, xv.x, xv.y);
-                    mma((u & 1) ? e[h] : d[h], ((A >> 8) & 0x000F000Fu) | MAGIC, ((B >> 8) & 0x000F000Fu) | MAGIC,
-                        ((A >> 12) & 0x000F000Fu) | MAGIC, ((B >> 12) & 0x000F000Fu) | MAGIC, xv.z, xv.w);
+                    mma((u & 1) ? e[h] : d[h], qpair(A, qmask, qmagic), qpair(B, qmask, qmagic),
+                        qpair(A >> 4, qmask, qmagic), qpair(B >> 4, qmask, qmagic), xv.x, xv.y);
+                    mma((u & 1) ? e[h] : d[h], qpair(A >> 8, qmask, qmagic), qpair(B >> 8, qmask, qmagic),
+                        qpair(A >> 12, qmask, qmagic), qpair(B >> 12, qmask, qmagic), xv.z, xv.w);
 #else
                     const int ch = CH == 2 ? (u & 1) : 0;   // low halves: nibbles 0, 1 (| 2, 3); high: 4, 5 (| 6, 7)
                     mma(d[0 * CH + ch][h], (A & 0xFu) | MAGIC_LO, (B & 0xFu) | MAGIC_LO,
