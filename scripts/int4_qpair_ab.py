@@ -1,6 +1,6 @@
-"""A/B of the CUDA int4 GEMVs in one process: this tree's `int4_cuda` (the nibble pairs as one LOP3, `qpair`)
-against another version of the module, loaded from a file (main's: `git show main:ktinject/operators/kernels/int4_cuda.py
-> old_int4_cuda.py` in the repo root, untracked, so that it travels to the device).
+"""A/B of the CUDA int4 GEMVs in one process: this tree's `int4_cuda` against another version of the module, loaded
+from a file (the one before the nibble pairs became one LOP3, `qpair`: `git show f33239d:ktinject/operators/kernels/int4_cuda.py
+> old_int4_cuda.py` in the repo root, untracked, so that it travels to the device; any other commit's works too).
 
     python3 scripts/int4_qpair_ab.py [old_int4_cuda.py]
 
@@ -18,7 +18,9 @@ from ktinject.bench_gpu import graph_time, L2_BYTES, hardware_line
 from ktinject.operators.kernels import int4_cuda as NEW, int4_pack as P
 spec = importlib.util.spec_from_file_location("ktinject.operators.kernels.int4_cuda_old",
                                               sys.argv[1] if len(sys.argv) > 1 else "old_int4_cuda.py")
-OLD = importlib.util.module_from_spec(spec); spec.loader.exec_module(OLD)
+OLD = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = OLD                     # (its dataclasses look their module up there)
+spec.loader.exec_module(OLD)
 print(hardware_line(), flush=True)
 g = torch.Generator(device="cpu").manual_seed(0)
 def case(n, k, group, rows, dt, bias):

@@ -342,7 +342,8 @@ def test_shape_classes_hold_only_triton_modes():
     for n, k, g in ((21888, 2048, 32), (129280, 7168, 32), (163840, 2048, 64), (163840, 2048, 128)):
         assert T.tiled_config(1, n, k, g) is not T.SMALL_GROUPS_WIDE and not T.small_groups_wide(n, k, g), (n, k, g)
     assert T.tinygemm_buckets(21888, 2048, 32) == {1, 4} and T.tinygemm_buckets(129280, 7168, 32) == {1, 4}
-    assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4} and T.tinygemm_buckets(3072, 2048, 128) == {1, 4}
+    assert T.tinygemm_buckets(3072, 2048, 32) == {1, 4} and T.tinygemm_buckets(3072, 2048, 128) == {4}
+    assert T.tinygemm_buckets(3072, 2048, 128, cuda_ok=False) == {1, 4}   # (the K split's one row needs the CUDA kernels)
     assert T.tinygemm_buckets(2048, 2048, 128) == set() and T.tinygemm_buckets(2048, 2048, 2048) == set()
     # without the CUDA kernels (their Triton fallbacks) tinygemm takes every bucket at groups of 32, 5-16 rows to 70 MB
     assert T.tinygemm_buckets(2048, 2048, 32, cuda_ok=False) == {1, 4, 16}

@@ -1005,7 +1005,8 @@ SMALL_GROUPS_WIDE_MAX_K = 2048
 # Where torch's tinygemm measured faster than ours: exact shape (N, K) or shape class (CLASS_CONFIGS'
 # first column) -> rows buckets; there `linear_int4` (backend auto) keeps a tinygemm copy and runs it.
 TINYGEMM_FASTER: dict = {   # measured on the H200 on 2026-12-02 (same sweeps); 1-16 rows: 2026-12-04
-    (3072, 2048): {1, 4},        # (ties: 3.99-4.03 us against ksplit's 4.05-4.07 at one row, 5.33 / 5.38 at four)
+    (3072, 2048): {4},           # (H200, four rows: 5.33 us against ksplit's 5.38; one row was a tie, 3.99-4.03 against
+                                 # 4.05-4.07, until the nibble pairs' single LOP3: 3.98-4.05 against 4.12 on an H100, 2026-12-07)
     24.0: {1, 4}, 70.0: {1},     # classes: tinygemm won every measured shape of <= 40 MB at one row before the
 }                                # K split; where the CUDA class holds a config (ksplit, diag) that runs instead
 
@@ -1025,8 +1026,8 @@ def tinygemm_buckets(n: int, k: int, group: int | None = None, cuda_ok: bool = T
         return {b for b in (1, 4) if (n, k, group, b) not in TUNED   # (a tuned small-group entry beat it)
                 and not (b == 1 and small_groups_wide(n, k, group))}
     hit = TINYGEMM_FASTER.get((n, k))
-    if hit is not None:
-        return set(hit)
+    if hit is not None:                              # (without the CUDA kernels the class entry stands beside it)
+        return set(hit) | (set() if cuda_ok else set(TINYGEMM_FASTER.get(shape_class(n, k), ())))
     return {b for b in TINYGEMM_FASTER.get(shape_class(n, k), ())
             if not (cuda_ok and cuda_class_config(b, n, k, group) is not None)}
 
