@@ -119,7 +119,7 @@ def kblocks_grid(x, w0, ref, copies, a, steps, idx) -> list:
                 _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ, kb)
                 shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True, False,
                                       minb, groups=C.ksplit_groups(w0), dequant=C.ksplit_groups(w0) > 1,
-                                      kblocks=kb)
+                                      kblocks=kb, n16=w0.qweight.shape[0] % 16 == 0)
                 rows.append((t, float("nan"), name, regs(shape, idx)))
             except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
                 print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
                         res += [float("nan")] * (2 - len(res))
                         _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
                         shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
-                                              False, minb, groups=C.ksplit_groups(w0), dequant=scaled, persist=pe)
+                                              False, minb, groups=C.ksplit_groups(w0), dequant=scaled, persist=pe,
+                                              n16=w0.qweight.shape[0] % 16 == 0)
                         rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' scaled' if scaled else ''}"
                                      f"{' persist' if pe else ''}",
                                      regs(shape, idx)))

@@ -408,6 +408,9 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     persist = int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, persist=True)
     assert "#define PERSIST 1" in int4_cuda.source(persist)
     assert "#define PERSIST 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
+    # N % 16 == 0 (every real model's): row rb = ra + 8 at compile time; a ragged N keeps the clamped rows
+    assert "#define N16 1" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, n16=True))
+    assert "#define N16 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
@@ -493,7 +496,7 @@ def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, 
     (4096, 2048, 256, 16, 4, 4, 8), (640, 1536, 128, 16, 8, 3, 6), (1536, 2048, -1, 16, 3, 8, 16),
     (777, 392, 128, 16, 5, 2, 4), (40, 2176, 128, 16, 1, 1, 2), (300, 20480, 128, 16, 1, 32, 32),
     (7168, 2048, 128, 16, 1, 5, 10), (2048, 2048, 128, 16, 16, 8, 8), (1000, 1088, 128, 16, 9, 4, 8),
-    (3000, 4096, 256, 32, 13, 16, 16),
+    (3000, 4096, 256, 32, 13, 16, 16), (2064, 2048, 128, 16, 1, 4, 8),
     # groups of 32 and 64 (4 and 2 a step): ragged N, K padding past the last group (1160), a tall K (10944, the
     # dense down), 9 and 16 rows (two mma a word's half), split and unsplit K
     (2056, 2048, 32, 16, 1, 8, 8), (777, 1160, 32, 16, 3, 3, 6), (1000, 2048, 32, 16, 16, 8, 16),
@@ -502,7 +505,7 @@ def test_gpu_diag_gemv_matches_reference(n, k, group, pack, rows, warps, batch, 
 def test_gpu_ksplit_gemv_matches_reference(n, k, group, pack, rows, ksplit, warps, dtype, bias):
     """The K-split tensor-core kernel (ktk_int4_ksplit): rows 1..16 (x columns of one or two mma, 2 a lane), N past the
     last 16-row tile, K padding (392, 2176), splits that do not divide the steps (17 steps in 1, 160 in 32),
-    several tiles a block, per channel, groups of 32 and 64 (several a step), pack 16/32, bf16 and fp16, bias;
+    several tiles a block (with N % 16 == 0 and a last block short of a tile: 129 tiles, 2 a block), per channel, groups of 32 and 64 (several a step), pack 16/32, bf16 and fp16, bias;
     and what it refuses."""
     from ktinject.operators.kernels import int4_cuda
     _check_tensor_core_gemv(lambda x, tw, b: int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps),

@@ -232,6 +232,9 @@ __device__ __forceinline__ u32 qpair(u32 w, u32 mask, u32 magic) {
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(magic));
     return r;
 }
+template <typename T> __device__ __forceinline__ const T* opaque(const T* p) {   // a base the compiler keeps whole
+    const T* r; asm("mov.b64 %0, %1;" : "=l"(r) : "l"(p)); return r;              // (offsets off it fold into loads)
+}
 __device__ __forceinline__ u32 in_reg(u32 v) { u32 r; asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v)); return r; }
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -664,22 +667,31 @@ __device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u
                                            uint4 (&wa)[SPW], uint4 (&wb)[SPW], u32 (&pa)[SPW][GPS],
                                            u32 (&pb)[SPW][GPS]) {
     const int KQ = NSTEP * 4;                        // 16-byte words of a row
+#if N16                                              // (N % 16 == 0: rb = ra + 8 always, so the loads of row rb are
+    const int ra = min(nt, n_tiles - 1) * TR + g;    //  those of ra at a constant offset, folded into the loads)
+    const int rb = ra + 8;
+#else
     const int ra = min(nt * TR + g, N - 1), rb = min(nt * TR + g + 8, N - 1);
+#endif
+    const uint4* qa = opaque(qw + (size_t)ra * KQ + 4 * (s0 + s_lo) + c);
+    const uint4* qb = N16 ? qa + 8 * KQ : opaque(qw + (size_t)rb * KQ + 4 * (s0 + s_lo) + c);
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
         const bool ok = nt < n_tiles && s_lo + s < nsb;
-        wa[s] = ok ? ld_stream(qw + (size_t)ra * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
-        wb[s] = ok ? ld_stream(qw + (size_t)rb * KQ + 4 * (s0 + s_lo + s) + c) : make_uint4(0u, 0u, 0u, 0u);
+        wa[s] = ok ? ld_stream(qa + 4 * s) : make_uint4(0u, 0u, 0u, 0u);
+        wb[s] = ok ? ld_stream(qb + 4 * s) : make_uint4(0u, 0u, 0u, 0u);
     }
+    const u16 *sa = opaque(sc + ra), *ma = opaque(mn + ra);
+    const u16 *sb = opaque(N16 ? sa + 8 : sc + rb), *mb = opaque(N16 ? ma + 8 : mn + rb);
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
         const int st = s0 + min(s_lo + s, nsb - 1);
         const int g0 = ((st * 16 / P) * 8 * P) >> g_shift;
 #pragma unroll
         for (int j = 0; j < GPS; j++) {
-            const size_t go = (size_t)min(g0 + j, NG - 1) * N;
-            pa[s][j] = hold || DQ ? (__ldg(sc + go + ra) | ((u32)__ldg(mn + go + ra) << 16)) : 0u;   // (DQ: all lanes)
-            pb[s][j] = hold || DQ ? (__ldg(sc + go + rb) | ((u32)__ldg(mn + go + rb) << 16)) : 0u;
+            const int go = min(g0 + j, NG - 1) * N;  // (< 2^31: the scales' count, checked at launch)
+            pa[s][j] = hold || DQ ? (__ldg(sa + go) | ((u32)__ldg(ma + go) << 16)) : 0u;   // (DQ: all lanes)
+            pb[s][j] = hold || DQ ? (__ldg(sb + go) | ((u32)__ldg(mb + go) << 16)) : 0u;
         }
     }
 }
@@ -1050,7 +1062,7 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
                   "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant), "KB": shape.kblocks,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "NOMATH": int(shape.nomath), "PERSIST": int(shape.persist)}
+                  "NOMATH": int(shape.nomath), "PERSIST": int(shape.persist), "N16": int(shape.n16)}
         body = _KSPLIT_SOURCE
     elif isinstance(shape, KsplitSumShape):
         consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
@@ -1383,6 +1395,7 @@ class KsplitShape:
     dequant: bool = False  # the weights scaled in x's type before the mma ((q - 8) s a pair; the mins in fp32)
     kblocks: int = 1      # blocks splitting K (grid y), each ceil(steps / kblocks) steps; > 1: fp32 parts, summed
     persist: bool = False  # (probe: min_blocks blocks an SM, each taking rounds of tiles, the next round's loads early)
+    n16: bool = False     # N % 16 == 0 (no ragged last tile: row rb = ra + 8, its loads at constant offsets)
 
 
 @dataclass(frozen=True)
@@ -1450,6 +1463,8 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
         groups = ksplit_groups(w)
     except ValueError as exc:
         return str(exc)
+    if w.scales.numel() >= 2 ** 31:
+        return f"its scales hold {w.scales.numel()} values, past the kernel's 32-bit offsets"
     if device_index is not None:
         ks, wps, _, _ = ksplit_launch(w, max(1, ksplit), max(1, warps), kblocks=kblocks)
         if ksplit_shared_bytes(ksplit_rows(m), int(w.qweight.shape[1]), wps, ks, groups, kblocks, persist) > \
@@ -1495,7 +1510,7 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks, persist)
     bf16 = x.dtype == torch.bfloat16
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, dequant, kblocks, persist)
+                        nomath, m == mr, groups, dequant, kblocks, persist, n % 16 == 0)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,

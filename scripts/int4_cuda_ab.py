@@ -1,8 +1,9 @@
 """A/B of the CUDA int4 GEMVs in one process: this tree's `int4_cuda` against another version of the module, loaded
-from a file (the one before the nibble pairs became one LOP3, `qpair`: `git show f33239d:ktinject/operators/kernels/int4_cuda.py
-> old_int4_cuda.py` in the repo root, untracked, so that it travels to the device; any other commit's works too).
+from a file (`git show REV:ktinject/operators/kernels/int4_cuda.py > old_int4_cuda.py` in the repo root, untracked,
+so that it travels to the device; f33239d is the one before the nibble pairs became one LOP3, 9636b09 the one before
+the K split's loads took whole base pointers).
 
-    python3 scripts/int4_qpair_ab.py [old_int4_cuda.py]
+    python3 scripts/int4_cuda_ab.py [old_int4_cuda.py]
 
 Each kernel (`mma`, `diag` with and without its ring, the K split one row / 3 rows fp16 / groups of 32 and 64 scaled
 first / over blocks) must give the same bits both ways; then, at one row, graph-replay times over >= 256 MB of
@@ -36,6 +37,13 @@ checks = [  # (name, n, k, group, rows, dtype, bias, fn(mod, x, w, b))
     ("ksplit dq G64 kb r16", 2048, 10944, 64, 16, torch.bfloat16, True, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=2, warps=32, kblocks=16)),
     ("diag 10,4,2", 102400, 2048, 128, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_diag(x, w, b, warps=10, batch=4, ctas_per_sm=2)),
     ("diag ring r4", 102400, 2048, 128, 4, torch.bfloat16, True, lambda M, x, w, b: M.gemv_diag(x, w, b, warps=10, batch=4, ctas_per_sm=2, stages=2)),
+    ("ksplit 8,8 o_proj", 2048, 2048, 128, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=8, warps=8)),
+    ("ksplit 8,8 q_proj", 3072, 2048, 128, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=8, warps=8)),
+    ("ksplit 8,8 ragged", 2056, 2048, 128, 1, torch.bfloat16, True, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=8, warps=8)),
+    ("ksplit 8,8 gate", 10944, 2048, 128, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=8, warps=8)),
+    ("ksplit 16,16", 4096, 4096, 128, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=16, warps=16)),
+    ("ksplit 4,4 G32 lm_head", 102400, 2048, 32, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=4, warps=4, occupancy=16)),
+    ("ksplit down G64 kb8", 2048, 10944, 64, 1, torch.bfloat16, False, lambda M, x, w, b: M.gemv_ksplit(x, w, b, ksplit=8, warps=8, kblocks=8)),
     ("mma r16", 4096, 2048, 128, 16, torch.bfloat16, True, lambda M, x, w, b: M.gemv_mma(x, w, b, warps=4, batch=2)),
     ("mma fp16 r5", 3000, 4096, 128, 5, torch.float16, False, lambda M, x, w, b: M.gemv_mma(x, w, b, warps=4, batch=2)),
 ]
