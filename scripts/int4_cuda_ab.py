@@ -6,7 +6,8 @@ the K split's loads took whole base pointers).
     python3 scripts/int4_cuda_ab.py [old_int4_cuda.py]
 
 Each kernel (`mma`, `diag` with and without its ring, the K split one row / 3 rows fp16 / groups of 32 and 64 scaled
-first / over blocks) must give the same bits both ways; then, at one row, graph-replay times over >= 256 MB of
+first / over blocks) must give the same bits both ways (with AB_TOL=1, for a change of the summation order: an error
+against float32 no worse than before); then, at one row, graph-replay times over >= 256 MB of
 copies, alternating the two modules three times.
 """
 import importlib.util
@@ -48,7 +49,7 @@ checks = [  # (name, n, k, group, rows, dtype, bias, fn(mod, x, w, b))
     ("mma fp16 r5", 3000, 4096, 128, 5, torch.float16, False, lambda M, x, w, b: M.gemv_mma(x, w, b, warps=4, batch=2)),
 ]
 bad = 0
-res = []
+TOL = os.environ.get("AB_TOL") == "1"
 for name, n, k, group, rows, dt, bias, fn in checks:
     w, x, b, iw = case(n, k, group, rows, dt, bias)
     try:
@@ -56,12 +57,15 @@ for name, n, k, group, rows, dt, bias, fn in checks:
         torch.cuda.synchronize()
         ref = x.float() @ P.dequantize(iw, torch.float32).to("cuda").T + (b.float() if b is not None else 0)
         err = ((yn.float() - ref).norm() / ref.norm()).item()
+        err_old = ((yo.float() - ref).norm() / ref.norm()).item()
         same = torch.equal(yn, yo)
     except Exception as exc:
-        same, err = False, float("nan"); print(name, type(exc).__name__, str(exc)[:200])
-    bad += not same
-    print(f"check {name}: bit-identical {same}, rel err {err:.2g}", flush=True)
-    if rows == 1 and same:
+        same, err, err_old = False, float("nan"), float("nan"); print(name, type(exc).__name__, str(exc)[:200])
+    # AB_TOL=1: a change of the summation order (other bits) passes where its error against float32 is no worse
+    ok = same or (TOL and err <= err_old * 1.1 + 1e-4)
+    bad += not ok
+    print(f"check {name}: bit-identical {same}, rel err {err:.2g} (before {err_old:.2g})", flush=True)
+    if rows == 1 and ok:
         copies = [w] + [P.tile(iw, 16).to("cuda") for _ in range(max(1, -(-L2_BYTES // (w.qweight.numel() * 4))) - 1)]
         t = {"new": [], "old": []}
         for _ in range(3):
@@ -69,5 +73,5 @@ for name, n, k, group, rows, dt, bias, fn in checks:
                 t[v].append(graph_time([lambda w_=w_, M=M: fn(M, x, w_, b) for w_ in copies], 15) * 1e6)
         print(f"  {name} {n}x{k}: new {' '.join(f'{v:.2f}' for v in t['new'])}  old {' '.join(f'{v:.2f}' for v in t['old'])} us", flush=True)
         del copies
-print("ALL BIT-IDENTICAL" if not bad else f"{bad} DIFFER")
+print(("ALL WITHIN TOLERANCE" if TOL else "ALL BIT-IDENTICAL") if not bad else f"{bad} DIFFER")
 sys.exit(1 if bad else 0)
