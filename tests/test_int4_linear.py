@@ -1,4 +1,5 @@
 """linear_int4: packing, GGUF repack, the operator's paths, and the Triton kernels."""
+import dataclasses
 import textwrap
 
 import gguf
@@ -408,6 +409,9 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     persist = int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, persist=True)
     assert "#define PERSIST 1" in int4_cuda.source(persist)
     assert "#define PERSIST 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
+    # the scales are indexed with 32-bit offsets: a weight with 2^31 of them is refused, by name (no memory taken)
+    huge = dataclasses.replace(tw, scales=torch.zeros(1, dtype=torch.float16).expand(2 ** 16, 2 ** 15))
+    assert "past the kernel's 32-bit offsets" in int4_cuda.ksplit_fits(huge, 1, 2, 2)
     # N % 16 == 0 (every real model's): row rb = ra + 8 at compile time; a ragged N keeps the clamped rows
     assert "#define N16 1" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, n16=True))
     assert "#define N16 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
