@@ -116,10 +116,7 @@ def kblocks_grid(x, w0, ref, copies, a, steps, idx) -> list:
                     raise RuntimeError(f"wrong (rel err {err:.2g})")
                 t = graph_time([lambda w=w: C.gemv_ksplit(x, w, ksplit=ks, warps=warps, occupancy=occ,
                                                           kblocks=kb) for w in copies], a.reps)
-                _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ, kb)
-                shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True, False,
-                                      minb, groups=C.ksplit_groups(w0), dequant=C.ksplit_groups(w0) > 1,
-                                      kblocks=kb, n16=w0.qweight.shape[0] % 16 == 0)
+                shape = C.ksplit_shape(w0, a.rows, True, False, ksplit=ks, warps=warps, occupancy=occ, kblocks=kb)[0]
                 rows.append((t, float("nan"), name, regs(shape, idx)))
             except Exception as exc:                                  # noqa: BLE001 - a probe: report, go on
                 print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -177,10 +174,8 @@ def main(argv=None) -> int:
                                 x, w, ksplit=ks, warps=warps, occupancy=occ, nomath=nm, dequant=dq, persist=pe)
                                 for w in copies], a.reps))
                         res += [float("nan")] * (2 - len(res))
-                        _, wps, _, minb = C.ksplit_launch(w0, ks, warps, occ)
-                        shape = C.KsplitShape(16, w0.qweight.shape[1] // 16, ks, wps, C.ksplit_rows(a.rows), True,
-                                              False, minb, groups=C.ksplit_groups(w0), dequant=scaled, persist=pe,
-                                              n16=w0.qweight.shape[0] % 16 == 0)
+                        shape = C.ksplit_shape(w0, a.rows, True, False, ksplit=ks, warps=warps, occupancy=occ,
+                                               dequant=dq, persist=pe)[0]
                         rows.append((res[0], res[1], f"ks{ks:<2} w{warps:<2} occ{occ}{' scaled' if scaled else ''}"
                                      f"{' persist' if pe else ''}",
                                      regs(shape, idx)))

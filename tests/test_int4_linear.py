@@ -415,6 +415,12 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     # N % 16 == 0 (every real model's): row rb = ra + 8 at compile time; a ragged N keeps the clamped rows
     assert "#define N16 1" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, n16=True))
     assert "#define N16 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
+    # the binary gemv_ksplit (and the probe's register report) takes: rows rounded up, the split as launched
+    shape, blocks = int4_cuda.ksplit_shape(tw, 3, True, False, ksplit=4, warps=4)
+    assert (shape.rows, shape.exact, shape.n16, shape.ksplit, shape.dequant, blocks) == (4, False, False, 2, False, 1)
+    tw32 = P.tile(P.quantize(torch.randn(32, 256), 32), 16)
+    shape, blocks = int4_cuda.ksplit_shape(tw32, 1, True, True, ksplit=1, warps=2)
+    assert (shape.rows, shape.exact, shape.n16, shape.groups, shape.dequant, blocks) == (1, True, True, 4, True, 1)
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 

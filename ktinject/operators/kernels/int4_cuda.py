@@ -1474,6 +1474,21 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
     return None
 
 
+def ksplit_shape(w, m: int, bf16: bool, bias: bool, *, ksplit: int, warps: int, occupancy: int = 32,
+                 nomath: bool = False, dequant: bool | None = None, kblocks: int = 1,
+                 persist: bool = False) -> tuple[KsplitShape, int]:
+    """The binary `gemv_ksplit` runs for `m` rows on `w` with these options (its split, warps and blocks over K as
+    launched; `dequant` None: scaled before the mma where a step holds several groups), and its blocks along N."""
+    n, kw = w.qweight.shape
+    kblocks = ksplit_kblocks(kw // 16, kblocks)[0]
+    ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy, kblocks)
+    mr = ksplit_rows(m)
+    groups = ksplit_groups(w)
+    shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias, min_blocks, nomath, m == mr, groups,
+                        groups > 1 if dequant is None else dequant, kblocks, persist, n % 16 == 0)
+    return shape, blocks
+
+
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False, dequant: bool | None = None,
                 kblocks: int = 1, persist: bool = False) -> torch.Tensor:
@@ -1495,22 +1510,17 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     why = ksplit_fits(w, m, ksplit, warps, idx, kblocks, persist)
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
-    kblocks = ksplit_kblocks(kw // 16, kblocks)[0]
-    ks, warps, blocks, min_blocks = ksplit_launch(w, ksplit, warps, occupancy, kblocks)
-    mr = ksplit_rows(m)
-    groups = ksplit_groups(w)
-    if dequant is None:
-        dequant = groups > 1
-    if nomath and dequant:
+    bf16 = x.dtype == torch.bfloat16
+    shape, blocks = ksplit_shape(w, m, bf16, bias is not None, ksplit=ksplit, warps=warps, occupancy=occupancy,
+                                 nomath=nomath, dequant=dequant, kblocks=kblocks, persist=persist)
+    kblocks, warps = shape.kblocks, shape.warps
+    if nomath and shape.dequant:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
     if persist:
         if kblocks > 1:
             raise ValueError(f"persist takes kblocks=1 (K over one block), got kblocks={kblocks}")
-        blocks = min(blocks, torch.cuda.get_device_properties(idx).multi_processor_count * min_blocks)
-    smem = ksplit_shared_bytes(mr, kw, warps, ks, groups, kblocks, persist)
-    bf16 = x.dtype == torch.bfloat16
-    shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias is not None, min_blocks,
-                        nomath, m == mr, groups, dequant, kblocks, persist, n % 16 == 0)
+        blocks = min(blocks, torch.cuda.get_device_properties(idx).multi_processor_count * shape.min_blocks)
+    smem = ksplit_shared_bytes(shape.rows, kw, warps, shape.ksplit, shape.groups, kblocks, persist)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,
