@@ -421,6 +421,29 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     tw32 = P.tile(P.quantize(torch.randn(32, 256), 32), 16)
     shape, blocks = int4_cuda.ksplit_shape(tw32, 1, True, True, ksplit=1, warps=2)
     assert (shape.rows, shape.exact, shape.n16, shape.groups, shape.dequant, blocks) == (1, True, True, 4, True, 1)
+    # programmatic dependent launch: the flag in the source (weights' loads off the .nc path, which ptxas would hold
+    # behind griddepcontrol.wait), the sum kernel's own flag
+    pdl = int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2, pdl=True))
+    assert "#define PDL 1" in pdl and "griddepcontrol.wait" in pdl and "griddepcontrol.launch_dependents" in pdl
+    assert "#define PDL 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
+    assert "#define PDL 1" in int4_cuda.source(int4_cuda.KsplitSumShape(True, False, True))
+    assert int4_cuda.ksplit_shape(tw32, 1, True, True, ksplit=1, warps=2, pdl=True)[0].pdl is True
+    # the mode: KTINJECT_INT4_PDL (default "sum"), "off" where the GPU cannot, bad values refused by name
+    monkeypatch.setattr(int4_cuda, "_pdl_hardware", lambda idx: True)
+    monkeypatch.delenv("KTINJECT_INT4_PDL", raising=False)
+    assert int4_cuda.pdl_mode(0) == "sum" and int4_cuda.pdl_mode(0, "all") == "all"
+    monkeypatch.setenv("KTINJECT_INT4_PDL", "ALL")
+    assert int4_cuda.pdl_mode(0) == "all" and int4_cuda.pdl_mode(0, "off") == "off"
+    monkeypatch.setenv("KTINJECT_INT4_PDL", "0")
+    assert int4_cuda.pdl_mode(0) == "off"
+    monkeypatch.setenv("KTINJECT_INT4_PDL", "yes")
+    with pytest.raises(ValueError, match="KTINJECT_INT4_PDL='yes': it takes one of"):
+        int4_cuda.pdl_mode(0)
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        int4_cuda.pdl_mode(0, "on")
+    monkeypatch.setattr(int4_cuda, "_pdl_hardware", lambda idx: False)
+    assert int4_cuda.pdl_mode(0, "all") == "off"
+    monkeypatch.delenv("KTINJECT_INT4_PDL")
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
     assert int4_cuda._disabled() == "turned off by KTINJECT_INT4_CUDA=0"
 
@@ -594,6 +617,62 @@ def test_gpu_ksplit_persistent_grid_gives_the_same_bits(n, k, group, pack, rows,
         int4_cuda.gemv_ksplit(x, tw, b, ksplit=ksplit, warps=warps, kblocks=2, persist=True)
 
 
+def test_kernel_params_pack_tensors_and_ints_as_the_kernels_take_them():
+    """`pdl_launch`'s argument array: a tensor as its data pointer, an int as a C int; anything else, or an int past
+    32 bits, refused by name before the driver sees it."""
+    import ctypes
+    from ktinject.native.cuda_driver import LaunchAttribute, LaunchConfig
+    from ktinject.operators.kernels import int4_cuda
+    t = torch.zeros(4)
+    arr, vals = int4_cuda.kernel_params([t, 7, -3])
+    assert len(arr) == 3 and ctypes.c_void_p.from_address(arr[0]).value == t.data_ptr()
+    assert ctypes.c_int.from_address(arr[1]).value == 7 and ctypes.c_int.from_address(arr[2]).value == -3
+    with pytest.raises(ValueError, match="does not fit a C int"):
+        int4_cuda.kernel_params([2 ** 31])
+    with pytest.raises(TypeError, match="tensors or ints, got float"):
+        int4_cuda.kernel_params([1.5])
+    # the driver's structs as cuda.h lays them out (CUlaunchAttribute 72 bytes, CUlaunchConfig 56 on 64-bit)
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(LaunchConfig) == 56 and LaunchConfig.stream.offset == 32 and LaunchConfig.num_attrs.offset == 48
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,rows,group,kblocks", [(2048, 1, 128, 1), (2048, 4, 64, 1), (2048, 16, 128, 4),
+                                                  (1024, 3, 32, 2)])
+def test_gpu_ksplit_pdl_chain_in_a_cuda_graph(n, rows, group, kblocks):
+    """Programmatic dependent launch: a chain of K-split GEMVs, each reading the one before's output (a torch kernel
+    between some), captured with `pdl` "sum" and "all" and replayed, and run eagerly so, gives the bits of the chain
+    run with "off" (a GEMV or sum that read its input before the kernel before it had finished would not)."""
+    from ktinject.operators.kernels import int4_cuda
+    if not int4_cuda.pdl_supported(0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    torch.manual_seed(4)
+    ws = [P.tile(P.quantize(torch.randn(n, n, device="cuda") * 0.03, group), 16) for _ in range(8)]
+    h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+
+    def chain(mode):
+        outs, x = [], h
+        for i, w in enumerate(ws):
+            if i % 3 == 2:
+                x = torch.mul(x, 0.5)
+            x = int4_cuda.gemv_ksplit(x, w, ksplit=(8, 4)[i % 2], warps=(8, 16)[i % 2], kblocks=kblocks, pdl=mode)
+            outs.append(x)
+        return outs
+
+    want = [t.clone() for t in chain("off")]
+    for mode in ("sum", "all"):
+        assert all(torch.equal(a, b) for a, b in zip(chain(mode), want))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(mode)
+        for _ in range(3):
+            for t in got:
+                t.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), mode
+
+
 @pytest.mark.gpu
 def test_gpu_ksplit_over_blocks_in_a_cuda_graph():
     """The two kernels of a K split over blocks (the parts, then their sum) replay in a CUDA graph with new x, three
@@ -707,13 +786,21 @@ def test_bench_gpu_reports_the_one_row_targets():
     base = {"torch_int4_us": None, "plain_us": 1.0, "ours_mode": "ksplit", "speedup_vs_bf16": 1.0}
     rows = [dict(base, shape="lm_head", bf16_MB=419.4, batch=1, bf16_us=121.6, ours_us=42.9, torch_int4_us=61.7),
             dict(base, shape="lm_head", bf16_MB=419.4, batch=4, bf16_us=110.4, ours_us=58.6),
-            dict(base, shape="o_proj", bf16_MB=8.4, batch=1, bf16_us=6.2, ours_us=3.4, torch_int4_us=3.9),
+            dict(base, shape="o_proj", bf16_MB=8.4, batch=1, bf16_us=6.2, ours_us=2.3, torch_int4_us=3.9,
+                 ours_nopdl_us=3.4, bf16_after_us=6.7, ours_after_us=3.3, pdl_mode="all"),
+            dict(base, shape="4096", bf16_MB=33.554432, batch=1, bf16_us=16.6, ours_us=6.3, ours_nopdl_us=6.4,
+                 bf16_after_us=17.0, ours_after_us=8.9, pdl_mode="sum"),
             dict(base, shape="q_proj", bf16_MB=12.6, batch=1, bf16_us=6.7, ours_us=4.1, torch_int4_us=3.3,
                  operator_runs="tinygemm"),
             dict(base, shape="dense down", bf16_MB=44.8, batch=1, bf16_us=17.7, ours_us=11.7),
             dict(base, shape="lm_head, Q4_K repack", group=32, bf16_MB=419.4, batch=1, bf16_us=121.6, ours_us=60.0)]
     md = B.to_markdown({"hardware": "NVIDIA H200", "int4": rows})
-    assert "- lm_head: 2.83x bf16 (target 3x: short), 1.44x torch int4" in md
-    assert "- o_proj: 1.82x bf16 (target 2x: short), 1.15x torch int4" in md
-    assert "- q_proj: 2.03x bf16 (target 2x: met), 1.00x torch int4" in md   # (tinygemm runs: the faster)
-    assert md.count("(target ") == 3 and "dense down:" not in md and "repack:" not in md   # (groups of 32: no target)
+    assert "- lm_head: back to back 2.83x bf16, 1.44x torch int4 (target 3x: short; the lower of the two)" in md
+    # the target takes the lower of back to back and the layer's order; back to back, never the K split as a
+    # dependent of the call before (pdl "all"): then its plain time
+    assert ("- o_proj: back to back 1.82x bf16, 1.15x torch int4; after a torch kernel 2.03x (target 2x: short; the "
+            "lower of the two)") in md
+    assert "| o_proj | 6.20 | 2.30 | all | 2.70 | 3.40 | 6.70 | 3.30 | 2.03 |" in md
+    assert "- 4096: back to back 2.63x bf16; after a torch kernel 1.91x (target 2x: short; the lower" in md
+    assert "- q_proj: back to back 2.03x bf16, 1.00x torch int4 (target 2x: met; the lower" in md   # (tinygemm)
+    assert md.count("(target ") == 4 and "dense down:" not in md and "repack:" not in md   # (groups of 32: no target)

@@ -21,6 +21,16 @@ from ..errors import NativeError
 
 READ_ONLY, PORTABLE = 0x08, 0x01          # CU_MEMHOSTREGISTER_READ_ONLY | _PORTABLE
 WAIT_EQ = 0x1                             # CU_STREAM_WAIT_VALUE_EQ
+PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):     # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 _lock = threading.Lock()
 _driver: Optional["CudaDriver"] = None
@@ -50,6 +60,10 @@ class CudaDriver:
         self.wait_value32.argtypes = [vp, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._device_pointer = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
         self._device_pointer.argtypes = [P(ctypes.c_uint64), vp, ctypes.c_uint]
+        self._launch_ex = getattr(lib, "cuLaunchKernelEx", None)             # (CUDA 12.0+ drivers)
+        if self._launch_ex is not None:
+            self._launch_ex.argtypes = [P(LaunchConfig), vp, P(vp), vp]
+            self._launch_ex.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, P(ctypes.c_char_p)]
         lib.cuCtxGetCurrent.argtypes = [P(vp)]
         for f in (self.launch_host_func, self.memcpy_dtoh_async, self.memcpy_htod_async, self._register,
@@ -106,6 +120,19 @@ class CudaDriver:
         out = ctypes.c_uint64()
         self.check(self._device_pointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0), "cuMemHostGetDevicePointer")
         return out.value
+
+    def launch_programmatic(self, func, grid: tuple, block: tuple, shared_mem: int, stream: int, params) -> None:
+        """Launch the kernel `func` (a CUfunction) on `stream` (a CUstream handle) as a programmatic dependent of
+        the kernel before it (sm_90+: the two may overlap; the kernel itself waits on that one with
+        griddepcontrol.wait before it touches what that one writes). `params`: the kernel's argument array
+        (void **). Raises NativeError where the driver refuses."""
+        if self._launch_ex is None:
+            raise NativeError("this CUDA driver has no cuLaunchKernelEx (programmatic dependent launch)")
+        attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1                                # programmaticStreamSerializationAllowed
+        cfg = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                           ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+        self.check(self._launch_ex(ctypes.byref(cfg), func, params, None), "cuLaunchKernelEx")
 
     def unregister(self, ptr: int) -> Optional[str]:
         rc = self.lib.cuMemHostUnregister(ctypes.c_void_p(ptr))

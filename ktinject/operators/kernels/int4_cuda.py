@@ -73,9 +73,29 @@ __device__ __forceinline__ float h2f(u16 v) { float f; asm("cvt.f32.f16 %0, %1;"
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {      // read once: keep it out of L1
     uint4 v;
+#if PDL && __CUDA_ARCH__ >= 900                      // (ptxas puts griddepcontrol.wait before every .nc load, so the
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"      //  weights' loads that should run
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));         //  under it take the coherent path)
+#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
     return v;
+}
+
+// Programmatic dependent launch (sm_90+; a binary built with PDL > 0 is launched with the stream-serialization
+// attribute): the grid may start while the kernel before it in the stream still runs. grid_wait() returns once
+// that grid has finished and its writes are visible (nothing may read what it wrote, or write what it reads,
+// before); grid_release() lets the next grid start launching (otherwise each block's exit does).
+__device__ __forceinline__ void grid_wait() {
+#if PDL && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_release() {
+#if PDL && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 """
@@ -748,6 +768,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
     u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
     tile_loads(qw, sc, mn, nt, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, hold, wa, wb, pa, pb);
+    grid_wait();                                     // PDL: the weights above are in flight; x (and out) from here
+    grid_release();                                  // the next grid (the parts' sum) may launch now
 
     // x pairs and step sums: 16 threads a (row of x, step), thread r of them the 8 consecutive inputs
     // j0 .. j0 + 7 of slice i = r / 2 of its tile (j0 = the step's first word in the tile + 8 (r % 2)): one
@@ -999,6 +1021,7 @@ extern "C" __global__ void ktk_int4_ksplit_sum(const float* __restrict__ ws, con
                                                u16* __restrict__ out, int N, int M, int KB_, int stride_om)
 {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    grid_wait();                                     // PDL: the K split's parts written
     if (i >= M * N) return;
     const int m = i / N, n = i - m * N;
     float y = 0.f;
@@ -1062,10 +1085,11 @@ def source(shape) -> str:
         consts = {"P": shape.pack, "NSTEP": shape.steps, "KS": shape.ksplit, "WARPS": shape.warps, "MR": shape.rows,
                   "EXACT": int(shape.exact), "GPS": shape.groups, "DQ": int(shape.dequant), "KB": shape.kblocks,
                   "MINB": shape.min_blocks, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias),
-                  "NOMATH": int(shape.nomath), "PERSIST": int(shape.persist), "N16": int(shape.n16)}
+                  "NOMATH": int(shape.nomath), "PERSIST": int(shape.persist), "N16": int(shape.n16),
+                  "PDL": int(shape.pdl)}
         body = _KSPLIT_SOURCE
     elif isinstance(shape, KsplitSumShape):
-        consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias)}
+        consts = {"WARPS": 8, "XBF16": int(shape.bf16), "HAS_BIAS": int(shape.bias), "PDL": int(shape.pdl)}
         body = _KSPLIT_SUM_SOURCE
     elif isinstance(shape, DiagShape):
         consts = {"P": shape.pack, "NSTEP": shape.steps, "V": shape.batch, "WARPS": shape.warps,
@@ -1202,14 +1226,87 @@ def smem_limit(idx: int) -> int:
     return int(getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", 48 * 1024))
 
 
-def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list, blocks_y: int = 1) -> None:
-    """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph)."""
+def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list, blocks_y: int = 1,
+            dependent: bool = False) -> None:
+    """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph);
+    `dependent`: as a programmatic dependent of the kernel before it (`pdl_launch`; the binary must wait on that
+    one itself: a shape with `pdl` set)."""
     kern = _binary(shape, idx)
     with torch.cuda.device(idx):
         if smem >= 48 * 1024 and smem > getattr(kern, "_max_shared_mem_bytes", 0):
             kern.set_shared_memory_config(smem)   # once per binary and size (the warm-up's call, not a capture's)
-        kern(grid=(blocks, blocks_y, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem,
-             stream=torch.cuda.current_stream(idx))
+        stream = torch.cuda.current_stream(idx)
+        if dependent:
+            if not getattr(shape, "pdl", False):
+                raise ValueError(f"{type(shape).__name__} without pdl cannot run as a programmatic dependent")
+            pdl_launch(kern, (blocks, blocks_y, 1), (warps * 32, 1, 1), smem, stream, args)
+        else:
+            kern(grid=(blocks, blocks_y, 1), block=(warps * 32, 1, 1), args=args, shared_mem=smem, stream=stream)
+
+
+def kernel_params(args: list) -> tuple:
+    """(void ** array, the C values it points at) of a kernel's arguments: tensors as device pointers, Python
+    ints as C ints (the kernels' `int` parameters), as torch's NVRTC launcher passes them. Keep the values
+    alive until the launch returns."""
+    import ctypes
+    vals = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            vals.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            if not -2 ** 31 <= a < 2 ** 31:
+                raise ValueError(f"kernel argument {a} does not fit a C int")
+            vals.append(ctypes.c_int(a))
+        else:
+            raise TypeError(f"kernel arguments are tensors or ints, got {type(a).__name__}")
+    arr = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+    return arr, vals
+
+
+def pdl_launch(kern, grid: tuple, block: tuple, smem: int, stream, args: list) -> None:
+    """Launch an NVRTC kernel (torch's `_CudaKernel`) through cuLaunchKernelEx with programmatic stream
+    serialization: it may start while the kernel before it in `stream` runs, and waits for it in its code
+    (griddepcontrol.wait) before reading its input. Captured into CUDA graphs as a programmatic edge."""
+    from ...native.cuda_driver import driver
+    arr, _vals = kernel_params(args)
+    driver().launch_programmatic(kern.func, grid, block, smem, stream.cuda_stream, arr)
+
+
+PDL_MODES = ("off", "sum", "all")
+
+
+def pdl_mode(idx: int, mode: str | None = None) -> str:
+    """The programmatic-dependent-launch mode the K split runs with on GPU `idx`: `mode`, or None for
+    `KTINJECT_INT4_PDL` (read at each call; default "sum"): "sum" launches the parts' sum kernel (K over blocks) as
+    a dependent of the K split, "all" the K split as well, as a dependent of whatever kernel runs before it in the
+    stream; "off" neither. "off" wherever the GPU or driver cannot (below compute capability 9.0, no
+    cuLaunchKernelEx). Measured: docs/gpu.md "Programmatic dependent launch"."""
+    import os
+    if mode is None:
+        mode = os.environ.get("KTINJECT_INT4_PDL", "sum").strip().lower() or "sum"
+        mode = "off" if mode == "0" else mode
+        if mode not in PDL_MODES:
+            raise ValueError(f"KTINJECT_INT4_PDL={os.environ['KTINJECT_INT4_PDL']!r}: it takes one of {PDL_MODES}")
+    elif mode not in PDL_MODES:
+        raise ValueError(f"pdl must be one of {PDL_MODES}, got {mode!r}")
+    return mode if mode == "off" or _pdl_hardware(idx) else "off"
+
+
+def pdl_supported(idx: int) -> bool:
+    """Whether GPU `idx` runs programmatic dependent launches (compute capability 9.0+, a driver with
+    cuLaunchKernelEx)."""
+    return _pdl_hardware(idx)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_hardware(idx: int) -> bool:
+    if torch.version.hip or torch.cuda.get_device_capability(idx)[0] < 9:
+        return False
+    try:
+        from ...native.cuda_driver import driver
+        return driver()._launch_ex is not None
+    except Exception:                                          # noqa: BLE001 - no driver binding: plain launches
+        return False
 
 
 def cuda_fits(w, m: int, device_index: int) -> str | None:
@@ -1396,12 +1493,15 @@ class KsplitShape:
     kblocks: int = 1      # blocks splitting K (grid y), each ceil(steps / kblocks) steps; > 1: fp32 parts, summed
     persist: bool = False  # (probe: min_blocks blocks an SM, each taking rounds of tiles, the next round's loads early)
     n16: bool = False     # N % 16 == 0 (no ragged last tile: row rb = ra + 8, its loads at constant offsets)
+    pdl: bool = False     # programmatic dependent launch (sm_90+): the weights' loads issued, then griddepcontrol.wait
+    #                       on the grid before (a no-op when launched plainly), then the next grid released
 
 
 @dataclass(frozen=True)
 class KsplitSumShape:     # ktk_int4_ksplit_sum: the K-split blocks' fp32 parts added (+ bias) in x's type
     bf16: bool
     bias: bool
+    pdl: bool = False     # waits on the K split first (griddepcontrol.wait): launched as its programmatic dependent
 
 
 def ksplit_kblocks(steps: int, kblocks: int) -> tuple[int, int]:
@@ -1476,7 +1576,7 @@ def ksplit_fits(w, m: int, ksplit: int, warps: int, device_index: int | None = N
 
 def ksplit_shape(w, m: int, bf16: bool, bias: bool, *, ksplit: int, warps: int, occupancy: int = 32,
                  nomath: bool = False, dequant: bool | None = None, kblocks: int = 1,
-                 persist: bool = False) -> tuple[KsplitShape, int]:
+                 persist: bool = False, pdl: bool = False) -> tuple[KsplitShape, int]:
     """The binary `gemv_ksplit` runs for `m` rows on `w` with these options (its split, warps and blocks over K as
     launched; `dequant` None: scaled before the mma where a step holds several groups), and its blocks along N."""
     n, kw = w.qweight.shape
@@ -1485,13 +1585,13 @@ def ksplit_shape(w, m: int, bf16: bool, bias: bool, *, ksplit: int, warps: int, 
     mr = ksplit_rows(m)
     groups = ksplit_groups(w)
     shape = KsplitShape(w.pack, kw // 16, ks, warps, mr, bf16, bias, min_blocks, nomath, m == mr, groups,
-                        groups > 1 if dequant is None else dequant, kblocks, persist, n % 16 == 0)
+                        groups > 1 if dequant is None else dequant, kblocks, persist, n % 16 == 0, pdl)
     return shape, blocks
 
 
 def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit: int = 16, warps: int = 16,
                 occupancy: int = 32, nomath: bool = False, dequant: bool | None = None,
-                kblocks: int = 1, persist: bool = False) -> torch.Tensor:
+                kblocks: int = 1, persist: bool = False, pdl: str | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) on tensor cores for x: [M, K] (M <= 16) bf16/fp16, `w` an `Int4Tiled` with pack 16
     (groups of >= 32) or 32 (one group per tile); [M, N] in x.dtype. `ksplit` warps share one 16-row tile, each a
     slice of K (ktk_int4_ksplit); a block holds `warps` // `ksplit` tiles; `occupancy`: warps an SM the launch
@@ -1500,7 +1600,10 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     loads and loop alone) applies to the unscaled path only. `kblocks` > 1 splits K over that many blocks as well
     (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias).
     `persist` (probe; kblocks 1): as many blocks as the launch bound puts on the SMs at once, each taking rounds of
-    tiles with the next round's weights loaded before this round's math."""
+    tiles with the next round's weights loaded before this round's math. `pdl`: programmatic dependent launch
+    (`pdl_mode`; None: `KTINJECT_INT4_PDL`, default "sum"): "sum", the parts' sum kernel launches while the K split
+    runs; "all", the K split too while the kernel before it in the stream finishes (its weights' loads first);
+    "off" (docs/gpu.md "Programmatic dependent launch")."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
@@ -1511,8 +1614,10 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     if why:
         raise ValueError(f"the K-split int4 GEMV cannot run here: {why}")
     bf16 = x.dtype == torch.bfloat16
+    pdl = pdl_mode(idx, pdl)
     shape, blocks = ksplit_shape(w, m, bf16, bias is not None, ksplit=ksplit, warps=warps, occupancy=occupancy,
-                                 nomath=nomath, dequant=dequant, kblocks=kblocks, persist=persist)
+                                 nomath=nomath, dequant=dequant, kblocks=kblocks, persist=persist,
+                                 pdl=pdl != "off")
     kblocks, warps = shape.kblocks, shape.warps
     if nomath and shape.dequant:
         raise ValueError("nomath removes the unscaled path's math only; pass dequant=False with it")
@@ -1526,8 +1631,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out, ws,
              n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
-             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks)
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks, dependent=pdl == "all")
     if kblocks > 1:
-        _launch(KsplitSumShape(bf16, bias is not None), idx, -(-(m * n) // 256), 8, 0,
-                [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)])
+        _launch(KsplitSumShape(bf16, bias is not None, pdl != "off"), idx, -(-(m * n) // 256), 8, 0,
+                [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)], dependent=pdl != "off")
     return out
