@@ -451,9 +451,9 @@ def int4_targets(rows: list[dict]) -> list[str]:
         if want is None or "ours_us" not in r or 0 < r.get("group", 128) < 64:
             continue
         tg = r.get("torch_int4_us") if r.get("operator_runs") else None
-        # back to back: as launched, unless the K split itself ran as a dependent of the call before (pdl "all":
-        # its weights then load under that call, which a layer's other kernels would not allow): the plain time
-        own = r["ours_nopdl_us"] if r.get("pdl_mode") == "all" else r["ours_us"]
+        # back to back: with no programmatic dependent launch (as launched, a K split may load its weights under the
+        # tail of the same GEMV before it, which a layer does not offer); in a layer's order: as launched
+        own = r.get("ours_nopdl_us", r["ours_us"])
         us = min(own, tg) if tg else own
         x = r["bf16_us"] / us
         vs = f", {r['torch_int4_us'] / us:.2f}x torch int4" if r.get("torch_int4_us") else ""

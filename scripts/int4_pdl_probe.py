@@ -4,11 +4,12 @@
     python3 scripts/int4_pdl_probe.py [--shapes 2048x2048,3072x2048] [--rows 1,4,16] [--reps 15]
 
 First a correctness pass: chains of K-split GEMVs, each reading the output of the one before (and a torch
-kernel between some of them), captured in a CUDA graph with `pdl` "sum" and "all" and replayed, and run eagerly,
+kernel between some of them), captured in a CUDA graph with `pdl` "auto" and "all" and replayed, and run eagerly,
 bit for bit against the same chain with "off" (a kernel that read its input before the kernel before it finished
 would differ). Then per shape and rows (`linear_int4`'s K-split config for it): CUDA-graph replays over >= 256 MB of
-weight copies, us a call, with each `pdl` mode ("off": plain launches, the binary without griddepcontrol; "sum":
-the parts' sum kernel as a dependent of the K split; "all": the K split too, as a dependent of the kernel before):
+weight copies, us a call, with each `pdl` mode ("off": plain launches, the binary without griddepcontrol; "auto":
+the parts' sum kernel as a dependent of the K split, and a K split over blocks as a dependent of the kernel before;
+"all": every K split so):
 * back to back, and bf16 `F.linear` the same way;
 * in a layer's order: each call preceded by a torch kernel that writes its x (`torch.mul(h, s, out=x)`, as a
   norm would), the pair's time less that kernel's alone; bf16 the same way.
@@ -53,7 +54,7 @@ def check_chains() -> int:
             return outs
 
         ref = [t.clone() for t in chain("off")]
-        for mode in ("sum", "all"):
+        for mode in ("auto", "all"):
             chain(mode)                                                   # (compile, warm)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -137,4 +137,12 @@ def _int4_gemv() -> str:
         why = int4_cuda.unavailable_reason(torch.device("cuda", 0))
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         return f"[red]{exc}[/]"
-    return "CUDA (NVRTC) + Triton" if why is None else f"[yellow]Triton only[/] (CUDA GEMV unusable: {why})"
+    if why is not None:
+        return f"[yellow]Triton only[/] (CUDA GEMV unusable: {why})"
+    try:
+        pdl = int4_cuda.pdl_mode(0)
+    except ValueError as exc:                 # a KTINJECT_INT4_PDL it does not take: said here, raised at the call
+        return f"CUDA (NVRTC) + Triton; [red]{exc}[/]"
+    return f"CUDA (NVRTC) + Triton; programmatic dependent launch {pdl}" + (
+        "" if pdl != "off" or not int4_cuda.pdl_supported(0) else " (KTINJECT_INT4_PDL)") + (
+        "" if int4_cuda.pdl_supported(0) else " (needs compute capability 9.0+)")

@@ -1272,18 +1272,19 @@ def pdl_launch(kern, grid: tuple, block: tuple, smem: int, stream, args: list) -
     driver().launch_programmatic(kern.func, grid, block, smem, stream.cuda_stream, arr)
 
 
-PDL_MODES = ("off", "sum", "all")
+PDL_MODES = ("off", "auto", "all")
 
 
 def pdl_mode(idx: int, mode: str | None = None) -> str:
     """The programmatic-dependent-launch mode the K split runs with on GPU `idx`: `mode`, or None for
-    `KTINJECT_INT4_PDL` (read at each call; default "sum"): "sum" launches the parts' sum kernel (K over blocks) as
-    a dependent of the K split, "all" the K split as well, as a dependent of whatever kernel runs before it in the
-    stream; "off" neither. "off" wherever the GPU or driver cannot (below compute capability 9.0, no
+    `KTINJECT_INT4_PDL` (read at each call; default "auto"): "auto" launches the parts' sum kernel (K over blocks)
+    as a dependent of the K split, and a K split over blocks as a dependent of whatever kernel runs before it in the
+    stream (both measured faster after any kernel); "all" every K split so (faster behind one of ours, slower by
+    0.1-0.2 us behind a kernel that does not release it early); "off" none. "off" wherever the GPU or driver cannot (below compute capability 9.0, no
     cuLaunchKernelEx). Measured: docs/gpu.md "Programmatic dependent launch"."""
     import os
     if mode is None:
-        mode = os.environ.get("KTINJECT_INT4_PDL", "sum").strip().lower() or "sum"
+        mode = os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() or "auto"
         mode = "off" if mode == "0" else mode
         if mode not in PDL_MODES:
             raise ValueError(f"KTINJECT_INT4_PDL={os.environ['KTINJECT_INT4_PDL']!r}: it takes one of {PDL_MODES}")
@@ -1601,9 +1602,9 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias).
     `persist` (probe; kblocks 1): as many blocks as the launch bound puts on the SMs at once, each taking rounds of
     tiles with the next round's weights loaded before this round's math. `pdl`: programmatic dependent launch
-    (`pdl_mode`; None: `KTINJECT_INT4_PDL`, default "sum"): "sum", the parts' sum kernel launches while the K split
-    runs; "all", the K split too while the kernel before it in the stream finishes (its weights' loads first);
-    "off" (docs/gpu.md "Programmatic dependent launch")."""
+    (`pdl_mode`; None: `KTINJECT_INT4_PDL`, default "auto"): "auto", the parts' sum kernel launches while the K
+    split runs, and a K split over blocks while the kernel before it in the stream finishes (its weights' loads
+    first); "all", every K split so; "off" (docs/gpu.md "Programmatic dependent launch")."""
     from .int4_triton import tiled_groups
     m, k = x.shape
     n, kw = w.qweight.shape
@@ -1631,7 +1632,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     _launch(shape, idx, blocks, warps, smem,
             [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out, ws,
              n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
-             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks, dependent=pdl == "all")
+             int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks,
+            dependent=pdl == "all" or (pdl == "auto" and kblocks > 1))
     if kblocks > 1:
         _launch(KsplitSumShape(bf16, bias is not None, pdl != "off"), idx, -(-(m * n) // 256), 8, 0,
                 [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)], dependent=pdl != "off")
