@@ -28,6 +28,9 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   Groups of 32 and 64 (pack 16) too: each mma then runs on the low and on the high halves of its pairs apart.
   `kblocks` > 1 splits K over blocks as well (5-16 rows): a block of many tiles stages x for its own steps
   only, leaves fp32 parts, and `ktk_int4_ksplit_sum` adds them in order (docs/gpu.md "The K split over blocks").
+  On sm_90+ the sum kernel, and a K split over blocks, launch as programmatic dependents of the kernel before
+  them (`pdl_mode`, `KTINJECT_INT4_PDL`: the weights' loads issued before griddepcontrol.wait; docs/gpu.md
+  "Programmatic dependent launch").
 
 Measured (docs/gpu.md): `cuda` and `mma` reach ~2.0 TB/s on the lm_head, like the Triton kernels
 (Nsight Compute: ~190 warp instructions per 1024 weights for mma, of which its inner loop needs 36);
@@ -83,10 +86,11 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {      // read once: 
     return v;
 }
 
-// Programmatic dependent launch (sm_90+; a binary built with PDL > 0 is launched with the stream-serialization
-// attribute): the grid may start while the kernel before it in the stream still runs. grid_wait() returns once
-// that grid has finished and its writes are visible (nothing may read what it wrote, or write what it reads,
-// before); grid_release() lets the next grid start launching (otherwise each block's exit does).
+// Programmatic dependent launch (sm_90+; a binary built with PDL may be launched with the stream-serialization
+// attribute): the grid may then start while the kernel before it in the stream still runs. grid_wait() returns
+// once that grid has finished and its writes are visible (nothing may read what it wrote, or write what it reads,
+// before; launched plainly, at once); grid_release() lets a dependent grid after this one start launching
+// (otherwise each block's exit does).
 __device__ __forceinline__ void grid_wait() {
 #if PDL && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
