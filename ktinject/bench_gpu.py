@@ -125,11 +125,6 @@ def torch_int4(iw, group):
     return (lambda x: torch.ops.aten._weight_int4pack_mm(x, packed, group, sz)), None
 
 
-def wds_for(wd, copies: int, n: int, k: int) -> list:
-    """The bf16 weight and enough clones of it to pass the L2 (at most `copies` in all)."""
-    return [wd] + [wd.clone() for _ in range(min(copies, max(1, math.ceil(L2_BYTES / (n * k * 2)))) - 1)]
-
-
 def int4_in_order(x, tws, wds, cfg, mode: str) -> dict:
     """One row's two more views of `linear_int4`'s GEMV (us a call, CUDA-graph replays as the table's): where the
     K split runs, `ours_nopdl_us`, back to back with no programmatic dependent launch (`KTINJECT_INT4_PDL=0`) and
@@ -137,6 +132,7 @@ def int4_in_order(x, tws, wds, cfg, mode: str) -> dict:
     a torch kernel that writes its x as a norm would, that kernel's own time taken off: `ours_after_us`,
     `bf16_after_us`."""
     import os
+    from unittest import mock
     from .operators.kernels import int4_triton as T
     h = x.clone()
     xs = [torch.empty_like(x) for _ in range(max(len(tws), len(wds)))]
@@ -150,15 +146,8 @@ def int4_in_order(x, tws, wds, cfg, mode: str) -> dict:
     if mode == "ksplit":
         from .operators.kernels import int4_cuda
         out["pdl_mode"] = int4_cuda.pdl_mode(int4_cuda.device_index(x.device))
-        old = os.environ.get("KTINJECT_INT4_PDL")
-        os.environ["KTINJECT_INT4_PDL"] = "0"
-        try:
+        with mock.patch.dict(os.environ, {"KTINJECT_INT4_PDL": "off"}):
             out["ours_nopdl_us"] = graph_time([lambda t_=t_: T.int4_gemv_tiled(x, t_, None, cfg) for t_ in tws]) * 1e6
-        finally:
-            if old is None:
-                del os.environ["KTINJECT_INT4_PDL"]
-            else:
-                os.environ["KTINJECT_INT4_PDL"] = old
     return out
 
 
@@ -186,7 +175,7 @@ def bench_int4(sweep: bool) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ wd.float().T
             row = {"shape": label, "N": n, "K": k, "group": group, "batch": m, "bf16_MB": n * k * 2 / 1e6}
-            wds = wds_for(wd, copies, n, k)
+            wds = [wd] + [wd.clone() for _ in range(min(copies, max(1, math.ceil(L2_BYTES / (n * k * 2)))) - 1)]
             row["bf16_us"] = graph_time([lambda w_=w_: F.linear(x, w_) for w_ in wds]) * 1e6
             cfg = T.tiled_config(m, n, k, g)
             mode = T.runnable_config(cfg, tws[0], m, n, k, x.device, x.dtype).mode
@@ -196,7 +185,7 @@ def bench_int4(sweep: bool) -> list[dict]:
                 row["ours_us"] = graph_time([lambda t_=t_: T.int4_gemv_tiled(x, t_, None, cfg) for t_ in tws]) * 1e6
                 row["ours_mode"] = mode
                 if m == 1:
-                    row.update(int4_in_order(x, tws, wds_for(wd, copies, n, k), cfg, mode))
+                    row.update(int4_in_order(x, tws, wds, cfg, mode))
                 if _wants_tinygemm(Int4Options(), n, k, g, m, x.device):
                     row["operator_runs"] = "tinygemm"               # linear_int4's backend auto (TINYGEMM_FASTER)
             except Exception as exc:                   # noqa: BLE001 - reported in the row, the bench goes on

@@ -114,7 +114,8 @@ def main(argv=None) -> int:
             t_pre = graph_time([lambda x=x: pre(x) for x in xs], a.reps)
             line = {"bf16": graph_time([lambda w=w: F.linear(h, w) for w in bcopies], a.reps)}
             for mode in C.PDL_MODES:
-                line[mode] = graph_time([lambda w=w, m_=mode: C.gemv_ksplit(h, w, pdl=m_, **kw) for w in copies], a.reps)
+                line[mode] = graph_time([lambda w=w, m_=mode: C.gemv_ksplit(h, w, pdl=m_, **kw) for w in copies],
+                                        a.reps)
             ctx = {"bf16": graph_time([lambda w=w, x=x: (pre(x), F.linear(x, w)) for w, x in zip(bcopies, xb)],
                                       a.reps) - t_pre}
             for mode in C.PDL_MODES:

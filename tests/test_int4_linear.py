@@ -429,7 +429,7 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     assert "#define PDL 1" in int4_cuda.source(int4_cuda.KsplitSumShape(True, False, True))
     assert int4_cuda.ksplit_shape(tw32, 1, True, True, ksplit=1, warps=2, pdl=True)[0].pdl is True
     # the mode: KTINJECT_INT4_PDL (default "auto"), "off" where the GPU cannot, bad values refused by name
-    monkeypatch.setattr(int4_cuda, "_pdl_hardware", lambda idx: True)
+    monkeypatch.setattr(int4_cuda, "pdl_supported", lambda idx: True)
     monkeypatch.delenv("KTINJECT_INT4_PDL", raising=False)
     assert int4_cuda.pdl_mode(0) == "auto" and int4_cuda.pdl_mode(0, "all") == "all"
     monkeypatch.setenv("KTINJECT_INT4_PDL", "ALL")
@@ -441,7 +441,7 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
         int4_cuda.pdl_mode(0)
     with pytest.raises(ValueError, match="pdl must be one of"):
         int4_cuda.pdl_mode(0, "on")
-    monkeypatch.setattr(int4_cuda, "_pdl_hardware", lambda idx: False)
+    monkeypatch.setattr(int4_cuda, "pdl_supported", lambda idx: False)
     assert int4_cuda.pdl_mode(0, "all") == "off"
     monkeypatch.delenv("KTINJECT_INT4_PDL")
     monkeypatch.setenv("KTINJECT_INT4_CUDA", "0")
@@ -633,7 +633,8 @@ def test_kernel_params_pack_tensors_and_ints_as_the_kernels_take_them():
         int4_cuda.kernel_params([1.5])
     # the driver's structs as cuda.h lays them out (CUlaunchAttribute 72 bytes, CUlaunchConfig 56 on 64-bit)
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(LaunchConfig) == 56 and LaunchConfig.stream.offset == 32 and LaunchConfig.num_attrs.offset == 48
+    assert ctypes.sizeof(LaunchConfig) == 56 and LaunchConfig.stream.offset == 32
+    assert LaunchConfig.num_attrs.offset == 48
 
 
 @pytest.mark.gpu

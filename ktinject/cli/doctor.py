@@ -143,6 +143,5 @@ def _int4_gemv() -> str:
         pdl = int4_cuda.pdl_mode(0)
     except ValueError as exc:                 # a KTINJECT_INT4_PDL it does not take: said here, raised at the call
         return f"CUDA (NVRTC) + Triton; [red]{exc}[/]"
-    return f"CUDA (NVRTC) + Triton; programmatic dependent launch {pdl}" + (
-        "" if pdl != "off" or not int4_cuda.pdl_supported(0) else " (KTINJECT_INT4_PDL)") + (
-        "" if int4_cuda.pdl_supported(0) else " (needs compute capability 9.0+)")
+    why = int4_cuda.pdl_unavailable_reason(0)
+    return f"CUDA (NVRTC) + Triton; programmatic dependent launch {pdl}" + (f" ({why})" if why else "")

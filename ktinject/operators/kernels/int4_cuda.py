@@ -1284,8 +1284,8 @@ def pdl_mode(idx: int, mode: str | None = None) -> str:
     `KTINJECT_INT4_PDL` (read at each call; default "auto"): "auto" launches the parts' sum kernel (K over blocks)
     as a dependent of the K split, and a K split over blocks as a dependent of whatever kernel runs before it in the
     stream (both measured faster after any kernel); "all" every K split so (faster behind one of ours, slower by
-    0.1-0.2 us behind a kernel that does not release it early); "off" none. "off" wherever the GPU or driver cannot (below compute capability 9.0, no
-    cuLaunchKernelEx). Measured: docs/gpu.md "Programmatic dependent launch"."""
+    0.1-0.2 us behind a kernel that does not release it early); "off" none. "off" wherever the GPU or driver
+    cannot (`pdl_unavailable_reason`). Measured: docs/gpu.md "Programmatic dependent launch"."""
     import os
     if mode is None:
         mode = os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() or "auto"
@@ -1294,24 +1294,29 @@ def pdl_mode(idx: int, mode: str | None = None) -> str:
             raise ValueError(f"KTINJECT_INT4_PDL={os.environ['KTINJECT_INT4_PDL']!r}: it takes one of {PDL_MODES}")
     elif mode not in PDL_MODES:
         raise ValueError(f"pdl must be one of {PDL_MODES}, got {mode!r}")
-    return mode if mode == "off" or _pdl_hardware(idx) else "off"
-
-
-def pdl_supported(idx: int) -> bool:
-    """Whether GPU `idx` runs programmatic dependent launches (compute capability 9.0+, a driver with
-    cuLaunchKernelEx)."""
-    return _pdl_hardware(idx)
+    return mode if mode == "off" or pdl_supported(idx) else "off"
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_hardware(idx: int) -> bool:
-    if torch.version.hip or torch.cuda.get_device_capability(idx)[0] < 9:
-        return False
+def pdl_unavailable_reason(idx: int) -> str | None:
+    """Why GPU `idx` cannot run programmatic dependent launches (None: it can): they need compute capability
+    9.0+ and a driver with cuLaunchKernelEx, bound through ctypes."""
+    if torch.version.hip:
+        return "not on ROCm"
+    major, minor = torch.cuda.get_device_capability(idx)
+    if major < 9:
+        return f"needs compute capability 9.0+, this GPU has {major}.{minor}"
+    from ...errors import NativeError
+    from ...native.cuda_driver import driver
     try:
-        from ...native.cuda_driver import driver
-        return driver()._launch_ex is not None
-    except Exception:                                          # noqa: BLE001 - no driver binding: plain launches
-        return False
+        return None if driver()._launch_ex is not None else "this CUDA driver has no cuLaunchKernelEx"
+    except NativeError as exc:
+        return str(exc)
+
+
+def pdl_supported(idx: int) -> bool:
+    """Whether GPU `idx` runs programmatic dependent launches (`pdl_unavailable_reason` is None)."""
+    return pdl_unavailable_reason(idx) is None
 
 
 def cuda_fits(w, m: int, device_index: int) -> str | None:
