@@ -428,6 +428,17 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     assert "#define PDL 0" in int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
     assert "#define PDL 1" in int4_cuda.source(int4_cuda.KsplitSumShape(True, False, True))
     assert int4_cuda.ksplit_shape(tw32, 1, True, True, ksplit=1, warps=2, pdl=True)[0].pdl is True
+    # the parameters the K split's prologue reads lie in the parameter bank's first 64-byte line (it starts at 0x210
+    # on sm_90, so their first 48 bytes): one constant-cache miss before the weights' loads, not two
+    src = int4_cuda.source(int4_cuda.KsplitShape(16, 16, 16, 16, 1, True, False, 2))
+    sig = src[src.index("ktk_int4_ksplit(") + len("ktk_int4_ksplit("):].split(")", 1)[0]
+    offsets, at = {}, 0
+    for p in (q.strip() for q in sig.split(",")):
+        size = 8 if "*" in p else 4
+        at = -(-at // size) * size
+        offsets[p.split()[-1].lstrip("*")] = at
+        at += size
+    assert all(offsets[name] + 4 <= 48 for name in ("qw", "sc", "mn", "N", "NG", "g_shift")), offsets
     # the mode: KTINJECT_INT4_PDL (default "auto"), "off" where the GPU cannot, bad values refused by name
     monkeypatch.setattr(int4_cuda, "pdl_supported", lambda idx: True)
     monkeypatch.delenv("KTINJECT_INT4_PDL", raising=False)

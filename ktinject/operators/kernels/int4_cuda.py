@@ -684,12 +684,12 @@ __device__ __forceinline__ void store(u16* __restrict__ out, float* __restrict__
 }
 
 // The words of rows ra = 16 nt + g and rb = ra + 8 of tile nt for the warp's steps (zeros past the tiles or the
-// block's steps), and their (scale, min) pairs per step and group (the lanes that hold x columns, or all with DQ)
+// block's steps), and their scales (pa, pb) and mins (na, nb) per step and group, each in the low half of a word
 __device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u16* __restrict__ sc,
                                            const u16* __restrict__ mn, int nt, int n_tiles, int N, int NG,
-                                           int g_shift, int s0, int nsb, int s_lo, int g, int c, bool hold,
+                                           int g_shift, int s0, int nsb, int s_lo, int g, int c,
                                            uint4 (&wa)[SPW], uint4 (&wb)[SPW], u32 (&pa)[SPW][GPS],
-                                           u32 (&pb)[SPW][GPS]) {
+                                           u32 (&pb)[SPW][GPS], u32 (&na)[SPW][GPS], u32 (&nb)[SPW][GPS]) {
     const int KQ = NSTEP * 4;                        // 16-byte words of a row
 #if N16                                              // (N % 16 == 0: rb = ra + 8 always, so the loads of row rb are
     const int ra = min(nt, n_tiles - 1) * TR + g;    //  those of ra at a constant offset, folded into the loads)
@@ -714,8 +714,10 @@ __device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u
 #pragma unroll
         for (int j = 0; j < GPS; j++) {
             const int go = min(g0 + j, NG - 1) * N;  // (< 2^31: the scales' count, checked at launch)
-            pa[s][j] = hold || DQ ? (__ldg(sa + go) | ((u32)__ldg(ma + go) << 16)) : 0u;   // (DQ: all lanes)
-            pb[s][j] = hold || DQ ? (__ldg(sb + go) | ((u32)__ldg(mb + go) << 16)) : 0u;
+            pa[s][j] = __ldg(sa + go);               // (every lane: the same sectors as the lanes that hold x
+            na[s][j] = __ldg(ma + go);               //  columns, and no zeroing of the others' registers)
+            pb[s][j] = __ldg(sb + go);
+            nb[s][j] = __ldg(mb + go);
         }
     }
 }
@@ -742,11 +744,13 @@ __device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u
 // KB > 1 splits K over blocks too (blockIdx.y takes SPB consecutive steps): a block then stages x for its own
 // steps only, so at 8-16 rows a block can hold many tiles (x staged once for all of them) and the grid still
 // fills the GPU; each block leaves fp32 parts that ktk_int4_ksplit_sum adds.
+// The parameters the prologue reads (the weights' and scales' addresses, N, NG, g_shift) come first, so that they
+// share one 64-byte line of the constant bank with the memory descriptor: one constant-cache miss before the
+// weights' loads issue instead of two (docs/gpu.md "The scales unjoined, the parameters reordered").
 extern "C" __global__ void __launch_bounds__(NT, MINB)
-ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* __restrict__ sc,
-                const u16* __restrict__ mn, const u16* __restrict__ bias, u16* __restrict__ out,
-                float* __restrict__ ws, int N, int K, int KW_, int g_shift, int NG, int M, int stride_xm,
-                int stride_om, int xvec)
+ktk_int4_ksplit(const uint4* __restrict__ qw, const u16* __restrict__ sc, const u16* __restrict__ mn, int N, int NG,
+                int g_shift, int K, int KW_, const u16* __restrict__ x, const u16* __restrict__ bias,
+                u16* __restrict__ out, float* __restrict__ ws, int M, int stride_xm, int stride_om, int xvec)
 {
     extern __shared__ u32 smem[];
     const u32 qmask = in_reg(0x000F000Fu), qmagic = in_reg(MAGIC);   // (qpair's operands, in registers)
@@ -767,11 +771,11 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     const int s0 = 0, nsb = NSTEP;                   // (compile-time: the one-block code as before)
 #endif
     const int s_lo = (warp % KS) * SPW;              // the warp's first step (of the block's)
-    const bool hold = 2 * c < MR;                    // this lane's D columns 2 c, 2 c + 1 hold x rows
 
     uint4 wa[SPW], wb[SPW];                          // the words of rows ra and rb, per step
-    u32 pa[SPW][GPS], pb[SPW][GPS];                  // (scale, min) of rows ra and rb, per step and group
-    tile_loads(qw, sc, mn, nt, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, hold, wa, wb, pa, pb);
+    u32 pa[SPW][GPS], pb[SPW][GPS];                  // scales of rows ra and rb, per step and group (low half)
+    u32 na[SPW][GPS], nb[SPW][GPS];                  // their mins
+    tile_loads(qw, sc, mn, nt, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, wa, wb, pa, pb, na, nb);
     grid_wait();                                     // PDL: the weights above are in flight; x (and out) from here
     grid_release();                                  // the next grid (the parts' sum) may launch now
 
@@ -832,8 +836,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     for (int round = 0; nt0 - warp / KS + round * nt_step < n_tiles; round++) {
     float* part = ring + (round & 1) * (WARPS * TR * MR);
     uint4 wa2[SPW], wb2[SPW];
-    u32 pa2[SPW][GPS], pb2[SPW][GPS];
-    tile_loads(qw, sc, mn, nt + nt_step, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, hold, wa2, wb2, pa2, pb2);
+    u32 pa2[SPW][GPS], pb2[SPW][GPS], na2[SPW][GPS], nb2[SPW][GPS];
+    tile_loads(qw, sc, mn, nt + nt_step, n_tiles, N, NG, g_shift, s0, nsb, s_lo, g, c, wa2, wb2, pa2, pb2, na2, nb2);
 #endif
     float acc[NG8][4];                               // per group: (ra, m0), (ra, m1), (rb, m0), (rb, m1)
 #pragma unroll
@@ -874,8 +878,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
                     for (int j = 0; j < GPS; j++) {
                         const float X0 = xsum[(m0[h] * SPB + st) * GPS + j];
                         const float X1 = xsum[(m1[h] * SPB + st) * GPS + j];
-                        const float Ma = h2f((u16)(pa[s][j] >> 16)) + 8.f * h2f((u16)(pa[s][j] & 0xFFFFu));
-                        const float Mb = h2f((u16)(pb[s][j] >> 16)) + 8.f * h2f((u16)(pb[s][j] & 0xFFFFu));
+                        const float Ma = h2f((u16)na[s][j]) + 8.f * h2f((u16)pa[s][j]);
+                        const float Mb = h2f((u16)nb[s][j]) + 8.f * h2f((u16)pb[s][j]);
                         acc[h][0] += Ma * X0; acc[h][1] += Ma * X1;
                         acc[h][2] += Mb * X0; acc[h][3] += Mb * X1;
                     }
@@ -940,8 +944,8 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
 #pragma unroll
                     for (int j = 0; j < GPS; j++) {
                         const float X0 = xsum[(m0[h] * SPB + st) * GPS + j], X1 = xsum[(m1[h] * SPB + st) * GPS + j];
-                        const float Sa = h2f((u16)(pa[s][j] & 0xFFFFu)), Ma = h2f((u16)(pa[s][j] >> 16));
-                        const float Sb = h2f((u16)(pb[s][j] & 0xFFFFu)), Mb = h2f((u16)(pb[s][j] >> 16));
+                        const float Sa = h2f((u16)pa[s][j]), Ma = h2f((u16)na[s][j]);
+                        const float Sb = h2f((u16)pb[s][j]), Mb = h2f((u16)nb[s][j]);
 #if GPS == 1
                         const float D0 = d[h][0] + e[h][0], D1 = d[h][1] + e[h][1];
                         const float D2 = d[h][2] + e[h][2], D3 = d[h][3] + e[h][3];
@@ -1010,7 +1014,7 @@ ktk_int4_ksplit(const u16* __restrict__ x, const uint4* __restrict__ qw, const u
     for (int s = 0; s < SPW; s++) {
         wa[s] = wa2[s]; wb[s] = wb2[s];
 #pragma unroll
-        for (int j = 0; j < GPS; j++) { pa[s][j] = pa2[s][j]; pb[s][j] = pb2[s][j]; }
+        for (int j = 0; j < GPS; j++) { pa[s][j] = pa2[s][j]; pb[s][j] = pb2[s][j]; na[s][j] = na2[s][j]; nb[s][j] = nb2[s][j]; }
     }
     nt += nt_step;
     }
@@ -1639,8 +1643,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     ws = torch.empty((kblocks, m, n), device=x.device, dtype=torch.float32) if kblocks > 1 else w.scales
     _launch(shape, idx, blocks, warps, smem,
-            [x, w.qweight, w.scales, w.mins, bias if bias is not None else w.scales, out, ws,
-             n, k, kw, tiled_groups(w)[1], int(w.scales.shape[0]), m, x.stride(0), out.stride(0),
+            [w.qweight, w.scales, w.mins, n, int(w.scales.shape[0]), tiled_groups(w)[1], k, kw,
+             x, bias if bias is not None else w.scales, out, ws, m, x.stride(0), out.stride(0),
              int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks,
             dependent=pdl == "all" or (pdl == "auto" and kblocks > 1))
     if kblocks > 1:
