@@ -623,6 +623,9 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define KWC (SPB * 16)                               // words of a row a block stages
 #define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
 #define TR 16                                        // rows a tile (the mma's 16 A rows)
+#define ONE_TILE (WARPS == KS && !PERSIST && KB > 1) // a tile a block, the grid's blocks along N the tiles (ksplit_launch);
+                                                     // (over blocks only: measured 7% faster on the dense down's one row,
+                                                     //  a wash at one block over K: docs/gpu.md)
 #define NG8 ((MR + 7) / 8)                           // groups of 8 x rows (the 8 B columns of an mma)
 #define CH (GPS == 2 ? 2 : 1)                        // chains of mma a scale group (GPS > 1)
 #define MAGIC_LO (MAGIC & 0xFFFFu)                   // the low half of a pair only (the high half bf16 / fp16 0)
@@ -691,7 +694,10 @@ __device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u
                                            uint4 (&wa)[SPW], uint4 (&wb)[SPW], u32 (&pa)[SPW][GPS],
                                            u32 (&pb)[SPW][GPS], u32 (&na)[SPW][GPS], u32 (&nb)[SPW][GPS]) {
     const int KQ = NSTEP * 4;                        // 16-byte words of a row
-#if N16                                              // (N % 16 == 0: rb = ra + 8 always, so the loads of row rb are
+#if N16 && ONE_TILE                                  // (one tile a block and a block a tile: nt < n_tiles always, so
+    const int ra = nt * TR + g;                      //  the weights' addresses wait on no parameter but their base)
+    const int rb = ra + 8;
+#elif N16                                            // (N % 16 == 0: rb = ra + 8 always, so the loads of row rb are
     const int ra = min(nt, n_tiles - 1) * TR + g;    //  those of ra at a constant offset, folded into the loads)
     const int rb = ra + 8;
 #else
@@ -701,7 +707,7 @@ __device__ __forceinline__ void tile_loads(const uint4* __restrict__ qw, const u
     const uint4* qb = N16 ? qa + 8 * KQ : opaque(qw + (size_t)rb * KQ + 4 * (s0 + s_lo) + c);
 #pragma unroll
     for (int s = 0; s < SPW; s++) {
-        const bool ok = nt < n_tiles && s_lo + s < nsb;
+        const bool ok = (ONE_TILE || nt < n_tiles) && s_lo + s < nsb;
         wa[s] = ok ? ld_stream(qa + 4 * s) : make_uint4(0u, 0u, 0u, 0u);
         wb[s] = ok ? ld_stream(qb + 4 * s) : make_uint4(0u, 0u, 0u, 0u);
     }
