@@ -623,9 +623,10 @@ _KSPLIT_SOURCE = _TC_PRELUDE + r"""
 #define KWC (SPB * 16)                               // words of a row a block stages
 #define KWP (KWC * 4 + (KWC / 8) * 4)                // padded row of x pairs (as ktk_int4_mma)
 #define TR 16                                        // rows a tile (the mma's 16 A rows)
-#define ONE_TILE (WARPS == KS && !PERSIST && KB > 1) // a tile a block, the grid's blocks along N the tiles (ksplit_launch);
-                                                     // (over blocks only: measured 7% faster on the dense down's one row,
-                                                     //  a wash at one block over K: docs/gpu.md)
+// ONE_TILE: a tile a block and as many blocks along N as tiles (ksplit_launch), so a warp's tile is always in range
+// and its loads need no bounds check; taken over blocks only (KB > 1), where it measured 7% faster on the dense
+// down's one row; at one block over K it was a wash (docs/gpu.md "The scales unjoined, the parameters reordered")
+#define ONE_TILE (WARPS == KS && !PERSIST && KB > 1)
 #define NG8 ((MR + 7) / 8)                           // groups of 8 x rows (the 8 B columns of an mma)
 #define CH (GPS == 2 ? 2 : 1)                        // chains of mma a scale group (GPS > 1)
 #define MAGIC_LO (MAGIC & 0xFFFFu)                   // the low half of a pair only (the high half bf16 / fp16 0)
@@ -1020,7 +1021,10 @@ ktk_int4_ksplit(const uint4* __restrict__ qw, const u16* __restrict__ sc, const 
     for (int s = 0; s < SPW; s++) {
         wa[s] = wa2[s]; wb[s] = wb2[s];
 #pragma unroll
-        for (int j = 0; j < GPS; j++) { pa[s][j] = pa2[s][j]; pb[s][j] = pb2[s][j]; na[s][j] = na2[s][j]; nb[s][j] = nb2[s][j]; }
+        for (int j = 0; j < GPS; j++) {
+            pa[s][j] = pa2[s][j]; pb[s][j] = pb2[s][j];
+            na[s][j] = na2[s][j]; nb[s][j] = nb2[s][j];
+        }
     }
     nt += nt_step;
     }
