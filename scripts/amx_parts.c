@@ -20,6 +20,8 @@
  *   /tmp/amx_parts pack1        (a layer's gate/up token packing, per expert or the tokens quantized once; no AMX)
  *   /tmp/amx_parts sums         (a down item's weighted sums into the output rows or a compact block; no AMX)
  *   /tmp/amx_parts stream       (one core streaming BF16 blocks: rows in place against tile-major copies)
+ *   /tmp/amx_parts tokens       (the bf16 tile GEMM with its packed tokens hot, cycling over 64 experts' packs as
+ *                                the down phase reads them, and each pack used twice in a row)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc") */
@@ -738,6 +740,40 @@ static int stream(void) {
     return 0;
 }
 
+/* tokens: the bf16 tile GEMM of one hot tile-major block (32 rows x K, 48 tokens) with its packed tokens (the B
+ * tiles) hot, cycling over 64 experts' packs as the down phase reads them (an item: 32 output rows, every expert, so
+ * each expert's pack comes from L3), cycling with the next pack brought into L2 meanwhile (ktk_amx_gemm_next), and
+ * each pack used by two calls in a row (the second finds it in L2: items of 64 output rows would). us a call. */
+static int tokens_probe(void) {
+    const int64_t nt = 48, E = 64, ldc = 48;
+    float *C = aligned_alloc(64, 32 * 64 * 4);
+    for (int ki = 0; ki < 2; ki++) {
+        const int64_t K = ki ? 1408 : 2048, pe = ktk_amx_pack_x_elems(nt, K);
+        uint16_t *wt = aligned_alloc(4096, (size_t)32 * K * 2);
+        uint16_t *pk = aligned_alloc(4096, (size_t)(E * pe * 2 + 4095) / 4096 * 4096);
+        for (int64_t i = 0; i < 32 * K; i++) wt[i] = (uint16_t)(0x3f80 + i % 7);
+        for (int64_t i = 0; i < E * pe; i++) pk[i] = (uint16_t)(0x3f00 + i % 13);
+        static const char *names[4] = {"tokens hot", "cycling 64 packs", "cycling, next pack into L2", "each pack twice"};
+        for (int round = 0; round < 3; round++) {
+            printf("K %lld, round %d:", (long long)K, round + 1);
+            for (int mode = 0; mode < 4; mode++) {
+                const int iters = 2048;
+                double t0 = now();
+                for (int i = 0; i < iters; i++) {
+                    const int64_t e = mode == 0 ? 0 : mode == 3 ? (i / 2) % E : i % E, e1 = (e + 1) % E;
+                    if (mode == 2) ktk_amx_gemm_next(wt, K, pk + e * pe, nt, C, ldc, (const uint8_t *)(pk + e1 * pe), pe * 2);
+                    else ktk_amx_gemm(wt, K, pk + e * pe, nt, C, ldc);
+                }
+                printf("  %s %.2f", names[mode], (now() - t0) / iters * 1e6);
+            }
+            printf(" us\n");
+        }
+        free(wt); free(pk);
+    }
+    free(C);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
     if (argc > 1 && !strcmp(argv[1], "pack1")) return pack1();
@@ -751,6 +787,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
     if (argc > 1 && !strcmp(argv[1], "conc")) return conc(argc, argv);
     if (argc > 1 && !strcmp(argv[1], "stream")) return stream();
+    if (argc > 1 && !strcmp(argv[1], "tokens")) return tokens_probe();
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
     if (argc > 1 && !strcmp(argv[1], "gap")) return gap();
