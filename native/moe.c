@@ -13,7 +13,8 @@
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  *       (with every expert grouped: two halves of the experts summed apart and added, in one item or,
- *       where that balances the threads better, in two: phase_down_halves)          or 2 H/32
+ *       where that balances the threads better, in two: phase_down_halves; $KTINJECT_DOWN_PAIRS=1: an item
+ *       takes two chunks of 32 rows, each expert's packed h read once for both)      or 2 H/32 (or half that)
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
  * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
@@ -79,10 +80,12 @@ struct ktk_moe {
     int i4;                                            /* the copies are I4 ones (desc i8_bits 4) */
     int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
     int down_split;                                    /* $KTINJECT_DOWN_SPLIT: 0 by the thread count, 1 never, 2 always */
+    int down_pairs;                                    /* $KTINJECT_DOWN_PAIRS=1: halves' items of two 32-row chunks */
+    int64_t dch;                                       /* 32-row chunks a halves' item (1, or 2 with down_pairs) */
     int halves;                                        /* down: grouped experts only, summed as two halves (phase_down) */
     int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
-    int *dcnt;                                         /* [nch] halves done, when split */
+    int *dcnt;                                         /* [nch] halves done, per item's chunk (or pair), when split */
     int pack_once;                                     /* $KTINJECT_PACK_ONCE: the AMX gate/up tokens quantized / converted once (P0) */
     int64_t nqt, qchunk;                               /* P0's token chunks to quantize first (0: none), tokens in each */
     int8_t *tq, *tqmem;                                /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16
@@ -184,6 +187,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->down_acc = !(s && s[0] == '0');
         s = getenv("KTINJECT_DOWN_SPLIT");   /* 1: one down item per 32 output rows; 2: two (halves); else by the threads */
         m->down_split = s && (s[0] == '1' || s[0] == '2') && s[1] == 0 ? s[0] - '0' : 0;
+        s = getenv("KTINJECT_DOWN_PAIRS");   /* 1: each expert's packed h used for two chunks' GEMMs in a row (A/B) */
+        m->down_pairs = s && s[0] == '1';
         s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
@@ -223,7 +228,7 @@ static scratch_t get_scratch(ktk_moe *m, int tid) {
     size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * m->maxk * 2, c = (size_t)(m->maxcnt + 16) * RC * 4;
     if (wb < 6144) wb = 6144;   /* (wb is also the INT8 tile GEMM's ci: 6 KiB) */
     wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
-    const size_t acc = (size_t)m->T * RC * 4 * 2;
+    const size_t acc = (size_t)m->T * RC * 4 * 2 * (size_t)(m->dch > 1 ? m->dch : 1);
     uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c + acc);
     scratch_t r = {0, 0, 0, 0, 0, 0, 0};
     if (!s) return r;
@@ -498,27 +503,37 @@ static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int
  * finishing second adds the two). The arithmetic is the same either way, so the result does not depend on
  * the thread count. */
 static void phase_down_halves(ktk_moe *m, int64_t item, int tid) {
-    const int64_t S = m->dsplit, c = item / S, H = m->d.hidden, r0 = c * RC;
+    /* an item: chunks c_lo .. c_hi - 1 (one, or two with $KTINJECT_DOWN_PAIRS=1: each expert's GEMMs for both chunks
+     * back to back, so its packed h comes from L3 once for two, not once a chunk); each chunk's sums in the same
+     * order either way, so the same bits */
+    const int64_t S = m->dsplit, q = item / S, H = m->d.hidden, c_lo = q * m->dch;
+    const int64_t c_hi = c_lo + m->dch < m->nch ? c_lo + m->dch : m->nch;
     const size_t blk = (size_t)m->T * RC;
     scratch_t s = get_scratch(m, tid);
     if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
     const int h0 = S == 2 ? (int)(item % 2) : 0, h1 = S == 2 ? h0 + 1 : 2;
     for (int h = h0; h < h1; h++) {
-        float *acc = S == 2 ? m->dslot + ((size_t)c * 2 + h) * blk : s.acc + h * blk;
+        float *acc[2] = {NULL, NULL};   /* chunk c_lo + j's block of this half */
+        for (int64_t c = c_lo; c < c_hi; c++) {
+            acc[c - c_lo] = S == 2 ? m->dslot + ((size_t)c * 2 + h) * blk : s.acc + ((size_t)(c - c_lo) * 2 + h) * blk;
+            memset(acc[c - c_lo], 0, blk * sizeof(float));
+        }
         const int64_t a_lo = h ? m->amid : 0, a_hi = h ? m->nact : m->amid;
-        memset(acc, 0, blk * sizeof(float));
-        for (int64_t a = a_lo; a < a_hi; a++) down_grouped(m, &s, a, S == 2 ? a_hi : m->nact, r0, acc, RC, tid);
+        for (int64_t a = a_lo; a < a_hi; a++)
+            for (int64_t c = c_lo; c < c_hi; c++)
+                down_grouped(m, &s, a, S == 2 ? a_hi : m->nact, c * RC, acc[c - c_lo], RC, tid);
     }
-    const float *A = s.acc;
     if (S == 2) {   /* the halves' blocks are written before the count goes up (release), read after (acquire) */
-        if (__atomic_fetch_add(&m->dcnt[c], 1, __ATOMIC_ACQ_REL) == 0) return;   /* the other half adds them */
-        A = m->dslot + (size_t)c * 2 * blk;
+        if (__atomic_fetch_add(&m->dcnt[q], 1, __ATOMIC_ACQ_REL) == 0) return;   /* the other half adds them */
     }
     TR_START();
-    for (int64_t t = 0; t < m->T; t++) {
-        float *o = m->out + t * H + r0;
-        const float *x0 = A + t * RC, *x1 = A + blk + t * RC;
-        for (int r = 0; r < RC; r++) o[r] = x0[r] + x1[r];
+    for (int64_t c = c_lo; c < c_hi; c++) {
+        const float *A = S == 2 ? m->dslot + (size_t)c * 2 * blk : s.acc + (size_t)(c - c_lo) * 2 * blk;
+        for (int64_t t = 0; t < m->T; t++) {
+            float *o = m->out + t * H + c * RC;
+            const float *x0 = A + t * RC, *x1 = A + blk + t * RC;
+            for (int r = 0; r < RC; r++) o[r] = x0[r] + x1[r];
+        }
     }
     TR_ADD(tid, 5);
 }
@@ -770,6 +785,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
      * per expert for its rows' conversion); two items a chunk where that shortens the phase's last round */
     m->halves = m->down_acc && m->ntile > 0 && m->nplain == 0 && m->rcd == RC;
     m->dsplit = 1;
+    m->dch = m->halves && m->down_pairs ? 2 : 1;
+    const int64_t ndi = (m->nch + m->dch - 1) / m->dch;   /* halves' items a half (chunks, or pairs of them) */
     if (m->halves) {
         int64_t tot = 0, cum = 0;
         for (int64_t a = 0; a < m->nact; a++) tot += (m->cnt[m->act[a]] + 15) / 16 + 1;
@@ -779,7 +796,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             if (2 * c2 > tot) { m->amid = tot - 2 * cum <= 2 * c2 - tot ? a : a + 1; break; }
             cum = c2;
         }
-        const int64_t nt = ktk_pool_threads(p), rounds1 = (m->nch + nt - 1) / nt, rounds2 = (2 * m->nch + nt - 1) / nt;
+        const int64_t nt = ktk_pool_threads(p), rounds1 = (ndi + nt - 1) / nt, rounds2 = (2 * ndi + nt - 1) / nt;
         if (m->down_split == 2 || (m->down_split == 0 && rounds2 < 2 * rounds1)) {
             /* the halves' blocks, 2 H T floats: in h (P I floats), which no grouped expert reads after its packing in
              * P2, where it is large enough (2 H <= k I: every model the rule packs name), else in a buffer of their own */
@@ -791,7 +808,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             m->dsplit = 2;
         }
     }
-    int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile, m->nch * m->dsplit};
+    int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile,
+                        m->halves ? ndi * m->dsplit : m->nch};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);

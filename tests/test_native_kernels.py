@@ -205,18 +205,22 @@ def test_moe_down_halves_split_or_not_agree(isa, qt, monkeypatch):
     default where the thread count does not divide the chunks: 6 threads over H / 32 = 8 here). Bit for
     bit the same result either way, oversubscribed, job after job, and right against the reference; with
     every token on one expert too (one half empty). The split halves' blocks live in h where it has room
-    (2 H <= k I), else in a buffer of their own: both shapes."""
+    (2 H <= k I), else in a buffer of their own: both shapes. Items of two chunks ($KTINJECT_DOWN_PAIRS=1: each
+    expert's GEMMs for both back to back) give the same bits too, split or not, and with an odd count of chunks
+    a last item of one."""
     monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
-    for H, I in ((256, 512), (512, 256)):
+    for H, I in ((256, 512), (512, 256)) + (((288, 512),) if qt == QT.BF16 else ()):   # (288: 9 chunks, an odd count)
         _down_halves_case(isa, qt, H, I, monkeypatch)
 
 
 def _down_halves_case(isa, qt, H, I, monkeypatch):
     (gate, up, down), (G, U, D) = moe_case(qt, qt, H=H, I=I, seed=8)
     kerns = {}
-    for split, threads in (("1", 2), ("2", 2), ("", 6 * H // 256), ("2", 5)):   # (6 threads over 8 chunks, 12 over 16)
+    for split, threads, pairs in (("1", 2, "0"), ("2", 2, "0"), ("", 6 * H // 256, "0"), ("2", 5, "0"),
+                                  ("1", 2, "1"), ("2", 3, "1"), ("", 5, "1")):   # (6 threads over 8 chunks, 12 over 16)
         monkeypatch.setenv("KTINJECT_DOWN_SPLIT", split)
-        kerns[split, threads] = native.MoEKernel(gate, up, down, isa=isa, pool=native.Pool(threads, pin=False))
+        monkeypatch.setenv("KTINJECT_DOWN_PAIRS", pairs)
+        kerns[split, threads, pairs] = native.MoEKernel(gate, up, down, isa=isa, pool=native.Pool(threads, pin=False))
     for T, k in ((64, 2), (96, 3), (24, 1)):
         x = torch.randn(T, H)
         ids, w = _routing(T, 8, k, seed=T)
@@ -224,7 +228,7 @@ def _down_halves_case(isa, qt, H, I, monkeypatch):
             ids = torch.zeros_like(ids)                 # one expert: half 1 (or half 0) has none
         counts = torch.bincount(ids.flatten(), minlength=8)
         assert (counts[counts > 0] >= 4).all(), counts    # no row-dot expert: the halves path
-        want = kerns["1", 2](x, ids, w)
+        want = kerns["1", 2, "0"](x, ids, w)
         for key, kern in kerns.items():
             for _ in range(2):
                 assert torch.equal(kern(x, ids, w), want), (isa, qt.name, H, I, T, key)
