@@ -1268,15 +1268,15 @@ def kernel_params(args: list) -> tuple:
     alive until the launch returns."""
     import ctypes
     vals = []
-    for a in args:
+    for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             vals.append(ctypes.c_void_p(a.data_ptr()))
         elif isinstance(a, int) and not isinstance(a, bool):
             if not -2 ** 31 <= a < 2 ** 31:
-                raise ValueError(f"kernel argument {a} does not fit a C int")
+                raise ValueError(f"kernel argument {i} ({a}) does not fit a C int")
             vals.append(ctypes.c_int(a))
         else:
-            raise TypeError(f"kernel arguments are tensors or ints, got {type(a).__name__}")
+            raise TypeError(f"kernel arguments are tensors or ints, got {type(a).__name__} at position {i}")
     arr = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     return arr, vals
 
