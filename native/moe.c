@@ -13,8 +13,8 @@
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  *       (with every expert grouped: two halves of the experts summed apart and added, in one item or,
- *       where that balances the threads better, in two: phase_down_halves; $KTINJECT_DOWN_PAIRS=1: an item
- *       takes two chunks of 32 rows, each expert's packed h read once for both)      or 2 H/32 (or half that)
+ *       where that balances the threads better, in two: phase_down_halves; $KTINJECT_DOWN_PAIRS=1: the items
+ *       that fill whole rounds take two chunks of 32 rows, each expert's packed h read once for both)  or 2 H/32
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
  * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
@@ -81,7 +81,7 @@ struct ktk_moe {
     int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
     int down_split;                                    /* $KTINJECT_DOWN_SPLIT: 0 by the thread count, 1 never, 2 always */
     int down_pairs;                                    /* $KTINJECT_DOWN_PAIRS=1: halves' items of two 32-row chunks */
-    int64_t dch;                                       /* 32-row chunks a halves' item (1, or 2 with down_pairs) */
+    int64_t dch, npairs;                               /* 32-row chunks a halves' item at most (1 or 2); items of two */
     int halves;                                        /* down: grouped experts only, summed as two halves (phase_down) */
     int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
@@ -506,8 +506,8 @@ static void phase_down_halves(ktk_moe *m, int64_t item, int tid) {
     /* an item: chunks c_lo .. c_hi - 1 (one, or two with $KTINJECT_DOWN_PAIRS=1: each expert's GEMMs for both chunks
      * back to back, so its packed h comes from L3 once for two, not once a chunk); each chunk's sums in the same
      * order either way, so the same bits */
-    const int64_t S = m->dsplit, q = item / S, H = m->d.hidden, c_lo = q * m->dch;
-    const int64_t c_hi = c_lo + m->dch < m->nch ? c_lo + m->dch : m->nch;
+    const int64_t S = m->dsplit, q = item / S, H = m->d.hidden, c_lo = q < m->npairs ? 2 * q : m->npairs + q;
+    const int64_t c_hi = c_lo + (q < m->npairs ? 2 : 1);
     const size_t blk = (size_t)m->T * RC;
     scratch_t s = get_scratch(m, tid);
     if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
@@ -785,8 +785,9 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
      * per expert for its rows' conversion); two items a chunk where that shortens the phase's last round */
     m->halves = m->down_acc && m->ntile > 0 && m->nplain == 0 && m->rcd == RC;
     m->dsplit = 1;
+    m->npairs = 0;
     m->dch = m->halves && m->down_pairs ? 2 : 1;
-    const int64_t ndi = (m->nch + m->dch - 1) / m->dch;   /* halves' items a half (chunks, or pairs of them) */
+    const int64_t ndi = m->nch;   /* halves' items a half, one chunk each */
     if (m->halves) {
         int64_t tot = 0, cum = 0;
         for (int64_t a = 0; a < m->nact; a++) tot += (m->cnt[m->act[a]] + 15) / 16 + 1;
@@ -807,9 +808,16 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             memset(m->dcnt, 0, (size_t)m->nch * sizeof *m->dcnt);
             m->dsplit = 2;
         }
+        if (m->down_pairs) {
+            /* pairs of chunks for the items that fill whole rounds (the pool hands them out first), single chunks for
+             * the last round or two, so the phase keeps the single items' balance: at 15 threads, 60 of 64 chunks in
+             * pairs, the last 8 half-chunk items single (all in pairs, 64 items: a fifth round for 4 of 15 workers) */
+            const int64_t w = m->nch * m->dsplit, full = nt * (w / (2 * nt));
+            m->npairs = full / m->dsplit < m->nch / 2 ? full / m->dsplit : m->nch / 2;
+        }
     }
     int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile,
-                        m->halves ? ndi * m->dsplit : m->nch};
+                        m->halves ? (ndi - m->npairs) * m->dsplit : m->nch};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);
