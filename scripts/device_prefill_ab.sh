@@ -3,8 +3,9 @@
 # alternating settings inside each round (in reverse order every other round): Q4_K from I4 copies (--int8 --int8-bits 4) and BF16 on bf16 tiles.
 # Usage (device): AB_ENV="KTINJECT_DOWN_ACC=0 KTINJECT_DOWN_ACC=1" bash scripts/device_prefill_ab.sh
 #   (ISA=avx512 GIB=0.3 for a dry run off the device; several variables in one setting joined by commas: "A=1,B=2"; "-" for no change; AB_THREADS="8 15",
-#    AB_ROUNDS="1 2", AB_LINES="i4 bf16", SECONDS_PER=1.0, TRACE=--trace)
-# Output: $OUT/ab.jsonl (the bench's JSON lines with the setting), one summary line each on stdout.
+#    AB_ROUNDS="1 2", AB_LINES="i4 bf16" (add "peer" for kt-kernel's INT4 and BF16 lines, carried in .peer/ as
+#    scripts/device_peer.sh says, once a round and thread count), SECONDS_PER=1.0, TRACE=--trace)
+# Output: $OUT/ab.jsonl (the bench's JSON lines with the setting), one summary line each on stdout; $OUT/peer.jsonl.
 set -o pipefail
 DEFAULT_OUT=ab_out
 . scripts/device_env.sh
@@ -34,6 +35,11 @@ for round in ${AB_ROUNDS:-1 2}; do
         case $l in
           i4) line "$e" $th "i4 r$round" --quant q4_k --int8 --int8-bits 4 ;;
           bf16) line "$e" $th "bf16 r$round" --quant bf16 ;;
+          peer) [ "$e" = "${envs[0]}" ] || continue   # kt-kernel's INT4 and BF16 at batch 512, once a round and thread count
+                EXT=$(ls .peer/kt_kernel/_kt_kernel_ext_amx*.so 2>/dev/null | head -1)
+                [ -n "$EXT" ] || { echo "no peer extension in .peer/kt_kernel (scripts/device_peer.sh)" >&2; continue; }
+                timeout -s KILL 150 python3 scripts/peer_ktkernel.py --ext "$EXT" --threads $th --methods int4,bf16 --batch 512 \
+                  --gib ${GIB:-2} --seconds ${SECONDS_PER:-1.0} 2>>"$OUT/ab.err" | grep '^{' | tee -a "$OUT/peer.jsonl" ;;
         esac
       done
     done
