@@ -178,6 +178,19 @@ static inline int env_flag(int *cache, const char *name, int dflt) {   /* read o
     }
     return v;
 }
+/* $KTINJECT_AMX_ROWS_PF: how many k-steps ahead the tile GEMM on BF16 rows read in place prefetches them (0: none,
+ * the hardware's prefetchers alone; at most 32; 8 by default) (A/B) */
+static int rows_pf_v = -1;
+static inline int rows_pf(void) {
+    int v = __atomic_load_n(&rows_pf_v, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *s = getenv("KTINJECT_AMX_ROWS_PF");
+        v = s && *s ? atoi(s) : 8;
+        if (v < 0 || v > 32) v = 8;
+        __atomic_store_n(&rows_pf_v, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
 static int pf_l2_flag = -1;
 static inline int pf_l2(void) { return env_flag(&pf_l2_flag, "KTINJECT_AMX_PF_L2", 0); }
 static inline void prefetch_line(const void *p, int l2) {
@@ -292,7 +305,7 @@ void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_
 
 KTK_AMX_TARGET
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, 8, pk, nt, C, ldc, NULL, 0);
+    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, rows_pf(), pk, nt, C, ldc, NULL, 0);
 }
 
 /* ---- The 8-bit tile GEMM (AMX-INT8) on a block of 32 rows of an I8 copy (i8.c) ----

@@ -43,6 +43,7 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_AMX_TRIPLE": ("switch",),
     "KTINJECT_AMX_GROUP_MAJOR": ("switch",),
     "KTINJECT_AMX_PF_L2": ("switch",),
+    "KTINJECT_AMX_ROWS_PF": ("int", 0, 32),
     "KTINJECT_DOWN_ACC": ("switch",),
     "KTINJECT_DOWN_SPLIT": ("choice", "1", "2"),
     "KTINJECT_DOWN_PAIRS": ("switch",),
