@@ -13,8 +13,8 @@
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  *       (with every expert grouped: two halves of the experts summed apart and added, in one item or,
- *       where that balances the threads better, in two: phase_down_halves; $KTINJECT_DOWN_PAIRS=1: the items
- *       that fill whole rounds take two chunks of 32 rows, each expert's packed h read once for both)  or 2 H/32
+ *       where that balances the threads better, in two: phase_down_halves; $KTINJECT_DOWN_CHUNKS=n: the items
+ *       that fill whole rounds take n chunks of 32 rows, each expert's packed h read once for them)    or 2 H/32
  * Tokens are grouped by expert (counting sort). An expert with fewer than `tile_min` tokens
  * (decode) takes the row-dot path: each weight row is read once from memory and dotted with its
  * tokens' Q8 activations straight on the GGUF blocks, four rows per multi-row kernel call
@@ -80,8 +80,8 @@ struct ktk_moe {
     int i4;                                            /* the copies are I4 ones (desc i8_bits 4) */
     int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
     int down_split;                                    /* $KTINJECT_DOWN_SPLIT: 0 by the thread count, 1 never, 2 always */
-    int down_pairs;                                    /* $KTINJECT_DOWN_PAIRS=1: halves' items of two 32-row chunks */
-    int64_t dch, npairs;                               /* 32-row chunks a halves' item at most (1 or 2); items of two */
+    int down_chunks;                                   /* $KTINJECT_DOWN_CHUNKS: 32-row chunks a halves' item (1-8) */
+    int64_t dch, nbig;                                 /* chunks of the first nbig halves' items (the rest: one each) */
     int halves;                                        /* down: grouped experts only, summed as two halves (phase_down) */
     int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
@@ -187,8 +187,9 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->down_acc = !(s && s[0] == '0');
         s = getenv("KTINJECT_DOWN_SPLIT");   /* 1: one down item per 32 output rows; 2: two (halves); else by the threads */
         m->down_split = s && (s[0] == '1' || s[0] == '2') && s[1] == 0 ? s[0] - '0' : 0;
-        s = getenv("KTINJECT_DOWN_PAIRS");   /* 1: each expert's packed h used for two chunks' GEMMs in a row (A/B) */
-        m->down_pairs = s && s[0] == '1';
+        s = getenv("KTINJECT_DOWN_CHUNKS");   /* n: each expert's packed h used for n chunks' GEMMs in a row (A/B) */
+        m->down_chunks = s && *s ? atoi(s) : 1;
+        if (m->down_chunks < 1 || m->down_chunks > 8) m->down_chunks = 1;
         s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
@@ -228,7 +229,7 @@ static scratch_t get_scratch(ktk_moe *m, int tid) {
     size_t wf = (size_t)RC * m->maxk * 4, wb = (size_t)RC * m->maxk * 2, c = (size_t)(m->maxcnt + 16) * RC * 4;
     if (wb < 6144) wb = 6144;   /* (wb is also the INT8 tile GEMM's ci: 6 KiB) */
     wf = (wf + 63) & ~(size_t)63; wb = (wb + 63) & ~(size_t)63; c = (c + 63) & ~(size_t)63;
-    const size_t acc = (size_t)m->T * RC * 4 * 2 * (size_t)(m->dch > 1 ? m->dch : 1);
+    const size_t acc = (size_t)m->T * RC * 4 * 2 * (size_t)(m->dch > 1 ? m->dch : 1);   /* (dch: set per job) */
     uint8_t *s = ktk_pool_scratch(m->pool, tid, wf + wb + 2 * c + acc);
     scratch_t r = {0, 0, 0, 0, 0, 0, 0};
     if (!s) return r;
@@ -503,17 +504,17 @@ static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int
  * finishing second adds the two). The arithmetic is the same either way, so the result does not depend on
  * the thread count. */
 static void phase_down_halves(ktk_moe *m, int64_t item, int tid) {
-    /* an item: chunks c_lo .. c_hi - 1 (one, or two with $KTINJECT_DOWN_PAIRS=1: each expert's GEMMs for both chunks
-     * back to back, so its packed h comes from L3 once for two, not once a chunk); each chunk's sums in the same
+    /* an item: chunks c_lo .. c_hi - 1 (one, or up to dch with $KTINJECT_DOWN_CHUNKS: each expert's GEMMs for all of
+     * them back to back, so its packed h comes from L3 once for them, not once a chunk); each chunk's sums in the same
      * order either way, so the same bits */
-    const int64_t S = m->dsplit, q = item / S, H = m->d.hidden, c_lo = q < m->npairs ? 2 * q : m->npairs + q;
-    const int64_t c_hi = c_lo + (q < m->npairs ? 2 : 1);
+    const int64_t S = m->dsplit, q = item / S, H = m->d.hidden, G = m->dch;
+    const int64_t c_lo = q < m->nbig ? G * q : G * m->nbig + (q - m->nbig), c_hi = c_lo + (q < m->nbig ? G : 1);
     const size_t blk = (size_t)m->T * RC;
     scratch_t s = get_scratch(m, tid);
     if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
     const int h0 = S == 2 ? (int)(item % 2) : 0, h1 = S == 2 ? h0 + 1 : 2;
     for (int h = h0; h < h1; h++) {
-        float *acc[2] = {NULL, NULL};   /* chunk c_lo + j's block of this half */
+        float *acc[8] = {NULL};   /* chunk c_lo + j's block of this half (dch <= 8) */
         for (int64_t c = c_lo; c < c_hi; c++) {
             acc[c - c_lo] = S == 2 ? m->dslot + ((size_t)c * 2 + h) * blk : s.acc + ((size_t)(c - c_lo) * 2 + h) * blk;
             memset(acc[c - c_lo], 0, blk * sizeof(float));
@@ -785,8 +786,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
      * per expert for its rows' conversion); two items a chunk where that shortens the phase's last round */
     m->halves = m->down_acc && m->ntile > 0 && m->nplain == 0 && m->rcd == RC;
     m->dsplit = 1;
-    m->npairs = 0;
-    m->dch = m->halves && m->down_pairs ? 2 : 1;
+    m->nbig = 0;
+    m->dch = m->halves && m->down_chunks <= m->nch ? m->down_chunks : 1;
     const int64_t ndi = m->nch;   /* halves' items a half, one chunk each */
     if (m->halves) {
         int64_t tot = 0, cum = 0;
@@ -808,16 +809,16 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             memset(m->dcnt, 0, (size_t)m->nch * sizeof *m->dcnt);
             m->dsplit = 2;
         }
-        if (m->down_pairs) {
-            /* pairs of chunks for the items that fill whole rounds (the pool hands them out first), single chunks for
-             * the last round or two, so the phase keeps the single items' balance: at 15 threads, 60 of 64 chunks in
-             * pairs, the last 8 half-chunk items single (all in pairs, 64 items: a fifth round for 4 of 15 workers) */
-            const int64_t w = m->nch * m->dsplit, full = nt * (w / (2 * nt));
-            m->npairs = full / m->dsplit < m->nch / 2 ? full / m->dsplit : m->nch / 2;
+        if (m->dch > 1) {
+            /* items of dch chunks for those that fill whole rounds (the pool hands them out first), one chunk for the
+             * last round or two, so the phase keeps the single items' balance: at 15 threads and 2 chunks, 60 of 64
+             * chunks in pairs, the last 8 half-chunk items single (all in pairs, 64 items: a fifth round for 4 of 15) */
+            const int64_t w = m->nch * m->dsplit, full = nt * (w / (m->dch * nt));
+            m->nbig = full / m->dsplit < m->nch / m->dch ? full / m->dsplit : m->nch / m->dch;
         }
     }
     int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile,
-                        m->halves ? (ndi - m->npairs) * m->dsplit : m->nch};
+                        m->halves ? (ndi - m->nbig * (m->dch - 1)) * m->dsplit : m->nch};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);

@@ -52,16 +52,16 @@ def test_amx_tile_loop_emulated(tmp_path: Path, writers: bool):
     assert build.returncode == 0, build.stderr[-2000:]
     # the INT8 tile GEMM's token tiles in pairs, or an odd count starting with three, its passes over all of K one
     # after the other or group by group (KTINJECT_AMX_GROUP_MAJOR); the down phase's two halves of the experts in
-    # one item or two (KTINJECT_DOWN_SPLIT), of one chunk or two (KTINJECT_DOWN_PAIRS); the I8 tokens quantized once or
+    # one item or two (KTINJECT_DOWN_SPLIT), of one chunk or more (KTINJECT_DOWN_CHUNKS); the I8 tokens quantized once or
     # in each expert's packing (KTINJECT_PACK_ONCE)
-    for triple, major, split, once, pairs in (("0", "0", "1", "0", "0"), ("1", "1", "2", "1", "1"), ("0", "1", "", "", "1")):
+    for triple, major, split, once, pairs in (("0", "0", "1", "0", "1"), ("1", "1", "2", "1", "2"), ("0", "1", "", "", "4")):
         env = {**os.environ, "KTINJECT_AMX_TRIPLE": triple, "KTINJECT_AMX_GROUP_MAJOR": major, "KTINJECT_DOWN_SPLIT": split,
-               "KTINJECT_PACK_ONCE": once, "KTINJECT_DOWN_PAIRS": pairs}
+               "KTINJECT_PACK_ONCE": once, "KTINJECT_DOWN_CHUNKS": pairs}
         run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
         lines = run.stdout.strip().splitlines()
         assert run.returncode == 0 and lines and lines[-1].startswith("OK"), (
             f"KTINJECT_AMX_TRIPLE={triple} KTINJECT_AMX_GROUP_MAJOR={major} KTINJECT_DOWN_SPLIT={split} "
-            f"KTINJECT_PACK_ONCE={once} KTINJECT_DOWN_PAIRS={pairs}\n" + run.stdout[-3000:] + run.stderr[-1000:])
+            f"KTINJECT_PACK_ONCE={once} KTINJECT_DOWN_CHUNKS={pairs}\n" + run.stdout[-3000:] + run.stderr[-1000:])
 
 
 @pytest.mark.slow
@@ -71,4 +71,4 @@ def test_amx_tile_loop_emulated_under_sanitizers(tmp_path: Path):
     sanitizers only on an AMX machine, tests/test_native_sanitize.py), the down halves split in two items."""
     sanitized_run(tmp_path, "amx_emulate_check.c", ("-DKTK_AMX_EMULATE",), {"KTINJECT_DOWN_SPLIT": "2"})
     sanitized_run(tmp_path, "amx_emulate_check.c", ("-DKTK_AMX_EMULATE",), {"KTINJECT_DOWN_SPLIT": "2",
-                                                                          "KTINJECT_DOWN_PAIRS": "1"})
+                                                                          "KTINJECT_DOWN_CHUNKS": "2"})

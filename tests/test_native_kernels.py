@@ -205,10 +205,11 @@ def test_moe_down_halves_split_or_not_agree(isa, qt, monkeypatch):
     default where the thread count does not divide the chunks: 6 threads over H / 32 = 8 here). Bit for
     bit the same result either way, oversubscribed, job after job, and right against the reference; with
     every token on one expert too (one half empty). The split halves' blocks live in h where it has room
-    (2 H <= k I), else in a buffer of their own: both shapes. Items of two chunks ($KTINJECT_DOWN_PAIRS=1: each
-    expert's GEMMs for both back to back, in the items that fill whole rounds, single chunks after them) give the
+    (2 H <= k I), else in a buffer of their own: both shapes. Items of several chunks ($KTINJECT_DOWN_CHUNKS=n: each
+    expert's GEMMs for all n back to back, in the items that fill whole rounds, single chunks after them) give the
     same bits too, split or not: all pairs (2 threads over 8 chunks), pairs then singles (3 threads over 8: three
-    pairs, two singles; split, 3 over 8 and 5 over 16), an odd count of chunks (9)."""
+    pairs, two singles; split, 3 over 8 and 5 over 16), fours, threes and one item of eight, an odd count of
+    chunks (9)."""
     monkeypatch.setenv("KTINJECT_TILE_MIN", "4")
     for H, I in ((256, 512), (512, 256)) + (((288, 512),) if qt == QT.BF16 else ()):   # (288: 9 chunks, an odd count)
         _down_halves_case(isa, qt, H, I, monkeypatch)
@@ -217,10 +218,11 @@ def test_moe_down_halves_split_or_not_agree(isa, qt, monkeypatch):
 def _down_halves_case(isa, qt, H, I, monkeypatch):
     (gate, up, down), (G, U, D) = moe_case(qt, qt, H=H, I=I, seed=8)
     kerns = {}
-    for split, threads, pairs in (("1", 2, "0"), ("2", 2, "0"), ("", 6 * H // 256, "0"), ("2", 5, "0"),
-                                  ("1", 2, "1"), ("1", 3, "1"), ("2", 3, "1"), ("", 5, "1")):   # (6 threads over 8 chunks, 12 over 16)
+    for split, threads, pairs in (("1", 2, "1"), ("2", 2, "1"), ("", 6 * H // 256, "1"), ("2", 5, "1"),
+                                  ("1", 2, "2"), ("1", 3, "2"), ("2", 3, "2"), ("", 5, "2"),   # (6 threads over 8 chunks,
+                                  ("1", 2, "4"), ("2", 3, "4"), ("", 2, "3"), ("1", 1, "8")):  # 12 over 16)
         monkeypatch.setenv("KTINJECT_DOWN_SPLIT", split)
-        monkeypatch.setenv("KTINJECT_DOWN_PAIRS", pairs)
+        monkeypatch.setenv("KTINJECT_DOWN_CHUNKS", pairs)
         kerns[split, threads, pairs] = native.MoEKernel(gate, up, down, isa=isa, pool=native.Pool(threads, pin=False))
     for T, k in ((64, 2), (96, 3), (24, 1)):
         x = torch.randn(T, H)
@@ -229,7 +231,7 @@ def _down_halves_case(isa, qt, H, I, monkeypatch):
             ids = torch.zeros_like(ids)                 # one expert: half 1 (or half 0) has none
         counts = torch.bincount(ids.flatten(), minlength=8)
         assert (counts[counts > 0] >= 4).all(), counts    # no row-dot expert: the halves path
-        want = kerns["1", 2, "0"](x, ids, w)
+        want = kerns["1", 2, "1"](x, ids, w)
         for key, kern in kerns.items():
             for _ in range(2):
                 assert torch.equal(kern(x, ids, w), want), (isa, qt.name, H, I, T, key)

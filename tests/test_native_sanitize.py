@@ -39,7 +39,7 @@ def sanitized_run(tmp_path: Path, driver: str, defines: tuple = (), env: dict | 
 
 @pytest.mark.slow
 def test_asan_ubsan_clean(tmp_path: Path):
-    # the prefill down phase's halves of the experts in one item, or two (KTINJECT_DOWN_SPLIT); items of two chunks
-    for split, pairs in (("", ""), ("2", ""), ("2", "1")):   # (KTINJECT_DOWN_PAIRS)
-        out = sanitized_run(tmp_path, "sanitize_driver.c", env={"KTINJECT_DOWN_SPLIT": split, "KTINJECT_DOWN_PAIRS": pairs})
+    # the prefill down phase's halves of the experts in one item, or two (KTINJECT_DOWN_SPLIT); items of several chunks
+    for split, chunks in (("", ""), ("2", ""), ("2", "2"), ("1", "4")):   # (KTINJECT_DOWN_CHUNKS)
+        out = sanitized_run(tmp_path, "sanitize_driver.c", env={"KTINJECT_DOWN_SPLIT": split, "KTINJECT_DOWN_CHUNKS": chunks})
         assert out.strip().endswith("OK (0 failures)"), out[-2000:]

@@ -46,7 +46,7 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_AMX_ROWS_PF": ("int", 0, 32),
     "KTINJECT_DOWN_ACC": ("switch",),
     "KTINJECT_DOWN_SPLIT": ("choice", "1", "2"),
-    "KTINJECT_DOWN_PAIRS": ("switch",),
+    "KTINJECT_DOWN_CHUNKS": ("int", 1, 8),
     "KTINJECT_PACK_PREFETCH": ("switch",),
     "KTINJECT_PACK_ONCE": ("switch",),
     "KTINJECT_LINEAR_GROUPED_MIN": ("int", 0, 1 << 30),
