@@ -22,10 +22,15 @@
  *   /tmp/amx_parts stream       (one core streaming BF16 blocks: rows in place against tile-major copies)
  *   /tmp/amx_parts tokens       (the bf16 tile GEMM with its packed tokens hot, cycling over 64 experts' packs as
  *                                the down phase reads them, and each pack used twice in a row)
+ *   /tmp/amx_parts rowspf       (one core streaming BF16 rows in place through the tiles, the tile loads alone and
+ *                                with the products, by software prefetch: none, T0 / T1 / T2 4-16 k-steps ahead)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
 #define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc") */
 #include "ktk_int.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -774,6 +779,72 @@ static int tokens_probe(void) {
     return 0;
 }
 
+/* "rowspf": the tile loop of ktk_amx_gemm_rows's first pass (32 BF16 rows in place, 4 KiB apart, three token tiles:
+ * six C tiles) over a 512 MiB set of 32 x 2048 blocks on one core, with the rows prefetched `dist` k-steps ahead by
+ * `kind` (0 none, 1 T0, 2 T1, 3 T2, 4 T0 one row in four), the products on or off (the tile loads alone). Do the
+ * software prefetches help the hardware's, or take its fill buffers? (Tiles configured by a ktk_amx_gemm call.) */
+#if defined(__x86_64__)
+__attribute__((target("amx-tile,amx-bf16")))
+static void rows_pass(const uint8_t *A, const uint16_t *pk, int64_t K, int prod, int kind, int dist, float *C) {
+    const int64_t KS = K / 32, rb = K * 2;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+    for (int64_t ks = 0; ks < KS; ks++) {
+        if (kind && ks + dist < KS)
+            for (int r = 0; r < 32; r += kind == 4 ? 4 : 1) {
+                const char *l = (const char *)(A + r * rb + (ks + dist) * 64);
+                if (kind == 1 || kind == 4) _mm_prefetch(l, _MM_HINT_T0);
+                else if (kind == 2) _mm_prefetch(l, _MM_HINT_T1);
+                else _mm_prefetch(l, _MM_HINT_T2);
+            }
+        const uint16_t *b = pk + ks * 512;
+        _tile_loadd(6, A + ks * 64, rb);
+        if (prod) {
+            _tile_loadd(7, b, 64); _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, b + KS * 512, 64); _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(7, b + 2 * KS * 512, 64); _tile_dpbf16ps(2, 6, 7);
+        }
+        _tile_loadd(6, A + 16 * rb + ks * 64, rb);
+        if (prod) {
+            _tile_dpbf16ps(5, 6, 7);
+            _tile_loadd(7, b + KS * 512, 64); _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(7, b, 64); _tile_dpbf16ps(3, 6, 7);
+        }
+    }
+    _tile_stored(0, C, 192); _tile_stored(1, C + 16, 192); _tile_stored(2, C + 32, 192);
+    _tile_stored(3, C + 768, 192); _tile_stored(4, C + 784, 192); _tile_stored(5, C + 800, 192);
+}
+
+static int rowspf(void) {
+    const int64_t K = 2048, NB = 4096, nt = 48, bb = 32 * K * 2;
+    uint8_t *br = aligned_alloc(4096, (size_t)(NB * bb));
+    for (int64_t i = 0; i < NB * bb; i += 2) { br[i] = (uint8_t)(i >> 7); br[i + 1] = 0x3f; }
+    uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+    for (int64_t i = 0; i < ktk_amx_pack_x_elems(nt, K); i++) pk[i] = 0x3f80;
+    float *C = aligned_alloc(64, 32 * nt * 4);
+    ktk_amx_gemm((const uint16_t *)br, K, pk, nt, C, nt);   /* configures this thread's tiles */
+    static const char *kinds[5] = {"none", "T0", "T1", "T2", "T0, one row in four"};
+    static const int dists[3] = {4, 8, 16};
+    for (int round = 0; round < 2; round++) {
+        double t0 = now();
+        for (int i = 0; i < 2000; i++) rows_pass(br, pk, K, 1, 0, 0, C);
+        printf("round %d: the hot block %.2f us; us a block from memory (GB/s)\n", round + 1, (now() - t0) / 2000 * 1e6);
+        for (int kind = 0; kind < 5; kind++)
+            for (int di = 0; di < (kind ? 3 : 1); di++) {
+                double dt[2];
+                for (int prod = 0; prod < 2; prod++) {
+                    t0 = now();
+                    for (int64_t i = 0; i < NB; i++) rows_pass(br + i * bb, pk, K, prod, kind, dists[di], C);
+                    dt[prod] = (now() - t0) / NB;
+                }
+                printf("  prefetch %-20s %2d ahead: loads alone %.2f (%.1f), with the products %.2f (%.1f)\n", kinds[kind],
+                       kind ? dists[di] : 0, dt[0] * 1e6, bb / dt[0] * 1e-9, dt[1] * 1e6, bb / dt[1] * 1e-9);
+            }
+    }
+    free(br); free(pk); free(C);
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
     if (argc > 1 && !strcmp(argv[1], "pack1")) return pack1();
@@ -788,6 +859,9 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "conc")) return conc(argc, argv);
     if (argc > 1 && !strcmp(argv[1], "stream")) return stream();
     if (argc > 1 && !strcmp(argv[1], "tokens")) return tokens_probe();
+#if defined(__x86_64__)
+    if (argc > 1 && !strcmp(argv[1], "rowspf")) return rowspf();
+#endif
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
     if (argc > 1 && !strcmp(argv[1], "gap")) return gap();
