@@ -25,7 +25,8 @@
  *   /tmp/amx_parts rowspf       (one core streaming BF16 rows in place through the tiles, the tile loads alone and
  *                                with the products, by software prefetch: none, T0 / T1 / T2 4-16 k-steps ahead)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
- *   /tmp/amx_parts layer [threads]   (one V2-Lite layer at batch 512 on AMX: each part's time inside it) */
+ *   /tmp/amx_parts layer [threads] [bf16|i8|i4|bf16w]   (one V2-Lite layer at batch 512 on AMX: each part's time
+ *                                inside it; Q4_K / Q5_0 weights on bf16 tiles, I8 or I4 copies, or BF16 weights) */
 #define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc") */
 #include "ktk_int.h"
 #if defined(__x86_64__)
@@ -362,16 +363,19 @@ static int duty(void) {
 /* "layer": one DeepSeek-V2-Lite MoE layer (64 experts of 1408, Q4_K gate/up, Q5_0 down, top-6) at
  * batch 512 on the AMX path, random and balanced routing (every expert 48 tokens); per call: its
  * wall time, and each part's time summed in moe.c's counters, as a mean over the workers. */
-static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / I4 copies at the default groups */
+static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / I4 copies at the default groups;
+                                                 * -1: BF16 weights (read in place by the bf16 tiles) */
     const int64_t E = 64, H = 2048, I = 1408, T = 512, k = 6, CALLS = 20;
     if (nthreads < 1 || nthreads > KTK_LAYER_TRACE_T) {
         fprintf(stderr, "layer: threads must be 1-%d, not %d\n", KTK_LAYER_TRACE_T, nthreads);
         return 2;
     }
     int64_t rbh, rbi;
-    uint8_t *g = random_rows(KTK_Q4_K, H, E * I, &rbh), *u = random_rows(KTK_Q4_K, H, E * I, &rbh);
-    uint8_t *dn = random_rows(KTK_Q5_0, I, E * H, &rbi);
-    ktk_moe_desc d = {KTK_Q4_K, KTK_Q4_K, KTK_Q5_0, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
+    const int tgu = bits < 0 ? KTK_BF16 : KTK_Q4_K, tdn = bits < 0 ? KTK_BF16 : KTK_Q5_0;
+    uint8_t *g = random_rows(tgu, H, E * I, &rbh), *u = random_rows(tgu, H, E * I, &rbh);
+    uint8_t *dn = random_rows(tdn, I, E * H, &rbi);
+    ktk_moe_desc d = {tgu, tgu, tdn, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
+    if (bits < 0) bits = 0;
     int err = 0;
     ktk_pool *pool = ktk_pool_new(nthreads, 1);
     uint8_t *cp[3] = {NULL, NULL, NULL};
@@ -851,8 +855,9 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "sums")) return sums();
     if (!ktk_amx_usable()) { fprintf(stderr, "no usable AMX here\n"); return 1; }
 #if defined(KTK_LAYER_TRACE)
-    if (argc > 1 && !strcmp(argv[1], "layer"))   /* layer [threads] [bf16|i8|i4] */
-        return layer(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? (!strcmp(argv[3], "i4") ? 4 : !strcmp(argv[3], "i8") ? 8 : 0) : 0);
+    if (argc > 1 && !strcmp(argv[1], "layer"))   /* layer [threads] [bf16|i8|i4|bf16w] */
+        return layer(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? (!strcmp(argv[3], "i4") ? 4 : !strcmp(argv[3], "i8") ? 8 :
+                                                                 !strcmp(argv[3], "bf16w") ? -1 : 0) : 0);
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
