@@ -788,7 +788,6 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
     m->dsplit = 1;
     m->nbig = 0;
     m->dch = m->halves && m->down_chunks <= m->nch ? m->down_chunks : 1;
-    const int64_t ndi = m->nch;   /* halves' items a half, one chunk each */
     if (m->halves) {
         int64_t tot = 0, cum = 0;
         for (int64_t a = 0; a < m->nact; a++) tot += (m->cnt[m->act[a]] + 15) / 16 + 1;
@@ -798,7 +797,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             if (2 * c2 > tot) { m->amid = tot - 2 * cum <= 2 * c2 - tot ? a : a + 1; break; }
             cum = c2;
         }
-        const int64_t nt = ktk_pool_threads(p), rounds1 = (ndi + nt - 1) / nt, rounds2 = (2 * ndi + nt - 1) / nt;
+        const int64_t nt = ktk_pool_threads(p), rounds1 = (m->nch + nt - 1) / nt, rounds2 = (2 * m->nch + nt - 1) / nt;
         if (m->down_split == 2 || (m->down_split == 0 && rounds2 < 2 * rounds1)) {
             /* the halves' blocks, 2 H T floats: in h (P I floats), which no grouped expert reads after its packing in
              * P2, where it is large enough (2 H <= k I: every model the rule packs name), else in a buffer of their own */
@@ -818,7 +817,7 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         }
     }
     int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile,
-                        m->halves ? (ndi - m->nbig * (m->dch - 1)) * m->dsplit : m->nch};
+                        m->halves ? (m->nch - m->nbig * (m->dch - 1)) * m->dsplit : m->nch};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at
      * 8 and 16 threads (twenty-fourth session, as the pool-wide KTINJECT_POOL_CLAIM=4; 8 no better);

@@ -821,10 +821,11 @@ static void rows_pass(const uint8_t *A, const uint16_t *pk, int64_t K, int prod,
 static int rowspf(void) {
     const int64_t K = 2048, NB = 4096, nt = 48, bb = 32 * K * 2;
     uint8_t *br = aligned_alloc(4096, (size_t)(NB * bb));
-    for (int64_t i = 0; i < NB * bb; i += 2) { br[i] = (uint8_t)(i >> 7); br[i + 1] = 0x3f; }
     uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
-    for (int64_t i = 0; i < ktk_amx_pack_x_elems(nt, K); i++) pk[i] = 0x3f80;
     float *C = aligned_alloc(64, 32 * nt * 4);
+    if (!br || !pk || !C) { fprintf(stderr, "rowspf: out of memory (512 MiB of blocks)\n"); return 1; }
+    for (int64_t i = 0; i < NB * bb; i += 2) { br[i] = (uint8_t)(i >> 7); br[i + 1] = 0x3f; }
+    for (int64_t i = 0; i < ktk_amx_pack_x_elems(nt, K); i++) pk[i] = 0x3f80;
     ktk_amx_gemm((const uint16_t *)br, K, pk, nt, C, nt);   /* configures this thread's tiles */
     static const char *kinds[5] = {"none", "T0", "T1", "T2", "T0, one row in four"};
     static const int dists[3] = {4, 8, 16};
