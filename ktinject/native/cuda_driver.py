@@ -5,7 +5,9 @@
   experts, capturable in CUDA graphs);
 * stream memory operations on page-locked words (`hostfn`'s doorbells: the same, without
   host functions);
-* host memory registration (`streamed_experts`: DMA straight from a memory-mapped GGUF file).
+* host memory registration (`streamed_experts`: DMA straight from a memory-mapped GGUF file);
+* programmatic dependent launches (`cuLaunchKernelEx`) and the kernel a stream being captured
+  would hang its next node on (`capture_tail_functions`; `operators/kernels/pdl.py`).
 
 Driver calls, unlike the runtime's (`torch.cuda.cudart()`), leave no pending error behind for
 torch's next kernel-launch check to raise. Each wrapper returns None or an error string, or
@@ -22,6 +24,8 @@ from ..errors import NativeError
 READ_ONLY, PORTABLE = 0x08, 0x01          # CU_MEMHOSTREGISTER_READ_ONLY | _PORTABLE
 WAIT_EQ = 0x1                             # CU_STREAM_WAIT_VALUE_EQ
 PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+CAPTURE_ACTIVE = 1                        # CU_STREAM_CAPTURE_STATUS_ACTIVE
+NODE_KERNEL = 0                           # CU_GRAPH_NODE_TYPE_KERNEL
 
 
 class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
@@ -64,6 +68,26 @@ class CudaDriver:
         if self._launch_ex is not None:
             self._launch_ex.argtypes = [P(LaunchConfig), vp, P(vp), vp]
             self._launch_ex.restype = ctypes.c_int
+        # what a stream being captured would hang its next node on (`capture_tail_functions`): CUDA 12.3+
+        # drivers have the _v3 form (with edge data), older ones _v2
+        self._capture_info_v3 = getattr(lib, "cuStreamGetCaptureInfo_v3", None)
+        self._capture_info_v2 = getattr(lib, "cuStreamGetCaptureInfo_v2", None)
+        if self._capture_info_v3 is not None:
+            self._capture_info_v3.argtypes = [vp, P(ctypes.c_int), P(ctypes.c_uint64), P(vp), P(P(vp)), P(vp),
+                                              P(ctypes.c_size_t)]
+        if self._capture_info_v2 is not None:
+            self._capture_info_v2.argtypes = [vp, P(ctypes.c_int), P(ctypes.c_uint64), P(vp), P(P(vp)),
+                                              P(ctypes.c_size_t)]
+        self._node_type = getattr(lib, "cuGraphNodeGetType", None)
+        self._kernel_node_params = (getattr(lib, "cuGraphKernelNodeGetParams_v2", None)
+                                    or getattr(lib, "cuGraphKernelNodeGetParams", None))
+        if self._node_type is not None:
+            self._node_type.argtypes = [vp, P(ctypes.c_int)]
+        if self._kernel_node_params is not None:
+            self._kernel_node_params.argtypes = [vp, vp]
+        for f in (self._capture_info_v3, self._capture_info_v2, self._node_type, self._kernel_node_params):
+            if f is not None:
+                f.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, P(ctypes.c_char_p)]
         lib.cuCtxGetCurrent.argtypes = [P(vp)]
         for f in (self.launch_host_func, self.memcpy_dtoh_async, self.memcpy_htod_async, self._register,
@@ -133,6 +157,34 @@ class CudaDriver:
         cfg = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                            ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
         self.check(self._launch_ex(ctypes.byref(cfg), func, params, None), "cuLaunchKernelEx")
+
+    def capture_tail_functions(self, stream: int) -> Optional[list]:
+        """The CUfunction handles (ints) of the nodes that the next node captured on `stream` (a CUstream handle)
+        would depend on, 0 for a node that is not a kernel; None where `stream` is not being captured or the driver
+        cannot say. Outside a capture nothing is recorded, so there is no kernel before to name."""
+        status, n = ctypes.c_int(), ctypes.c_size_t()
+        deps = ctypes.POINTER(ctypes.c_void_p)()
+        if self._capture_info_v3 is not None:
+            edges = ctypes.c_void_p()
+            rc = self._capture_info_v3(ctypes.c_void_p(stream), ctypes.byref(status), None, None, ctypes.byref(deps),
+                                       ctypes.byref(edges), ctypes.byref(n))
+        elif self._capture_info_v2 is not None:
+            rc = self._capture_info_v2(ctypes.c_void_p(stream), ctypes.byref(status), None, None, ctypes.byref(deps),
+                                       ctypes.byref(n))
+        else:
+            return None
+        if rc or status.value != CAPTURE_ACTIVE or self._node_type is None or self._kernel_node_params is None:
+            return None
+        out = []
+        for i in range(n.value):
+            kind, params = ctypes.c_int(), (ctypes.c_void_p * 16)()   # CUDA_KERNEL_NODE_PARAMS(_v2): func first
+            node = ctypes.c_void_p(deps[i])
+            if self._node_type(node, ctypes.byref(kind)) or kind.value != NODE_KERNEL or \
+                    self._kernel_node_params(node, params):
+                out.append(0)
+            else:
+                out.append(params[0] or 0)
+        return out
 
     def unregister(self, ptr: int) -> Optional[str]:
         rc = self.lib.cuMemHostUnregister(ctypes.c_void_p(ptr))

@@ -15,6 +15,10 @@ Both roundings of the original are kept (to the input dtype, then the product in
 dtype), so results equal transformers' up to the order of the float32 sum of squares (within
 two ulps of the output dtype where that order moves a rounding). It replaces the RMSNorm classes
 of the five families (and Llama's), with `eps` read from the module.
+
+On sm_90+ the kernel lets the kernel after it start early (`gdc_launch_dependents` first thing): a
+decoder layer's projections follow its norms, and `linear_int4`'s one-row K split, captured right
+after it in a CUDA graph, then loads its weights while the norm runs (kernels/pdl.py).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from torch import nn
 
 from .base import BuildContext, Operator
 from .kernels import tl_dtype, triton_available
+from .kernels.pdl import note_release_of, triton_release
 from .registry import register
 
 RMS_NORM_CLASSES = ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
@@ -56,9 +61,16 @@ def _triton_kernel():
     import triton
     import triton.language as tl
 
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents     # (Triton 3.3+; RELEASE needs it)
+    except ImportError:
+        gdc_launch_dependents = None
+
     @triton.jit
     def rms_norm_rows(x_ptr, w_ptr, out_ptr, stride_x, stride_out, cols, eps,
-                      BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                      BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, RELEASE: tl.constexpr):
+        if RELEASE:                                  # the next kernel (a projection) may launch now (kernels/pdl.py)
+            gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
@@ -81,9 +93,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if rows.shape[0]:
         import triton
         block = triton.next_power_of_2(cols)
-        _triton_kernel()[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), cols, float(eps),
-                                            BLOCK=block, X_DTYPE=tl_dtype(x.dtype), OUT_DTYPE=tl_dtype(out_dtype),
-                                            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+        release = triton_release(x.device)
+        k = _triton_kernel()[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), cols, float(eps),
+                                                BLOCK=block, X_DTYPE=tl_dtype(x.dtype), OUT_DTYPE=tl_dtype(out_dtype),
+                                                RELEASE=release,
+                                                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+        if release:
+            note_release_of(k)
     return out.view(*x.shape[:-1], cols)
 
 

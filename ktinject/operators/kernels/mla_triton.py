@@ -30,6 +30,8 @@ import functools
 
 import torch
 
+from .pdl import note_release_of, triton_release
+
 ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_HALF = 0, 1, 2
 
 
@@ -37,6 +39,10 @@ ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_HALF = 0, 1, 2
 def _kernels():
     import triton
     import triton.language as tl
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents     # (Triton 3.3+; RELEASE needs it)
+    except ImportError:
+        gdc_launch_dependents = None
 
     @triton.jit
     def _rope(rope_a, rope_b, j, r, ROPE: tl.constexpr):
@@ -155,8 +161,10 @@ def _kernels():
     @triton.jit
     def mla_decode_combine(m_ptr, l_ptr, o_ptr, pos_ptr, wuv_ptr, out_ptr,
                            H, R, DV, L, NS, CH, s_pos_b, s_out_b,
-                           BR: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr):
+                           BR: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, RELEASE: tl.constexpr):
         # merges the splits of (b, h), applies W_UV [H, DV, R]; out: [B, H * DV]
+        if RELEASE:                                  # o_proj's GEMV may launch now and load its weights (pdl.py)
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -242,7 +250,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_
         ROPE=rope_mode, BH=bh, BR=br, BRP=brp, BL=bl, IEEE=cache.dtype == torch.float32, num_warps=8 if br >= 256 else 4)
     out = torch.empty(B, H * dv, device=dev, dtype=cache.dtype)
     bv = min(32, triton.next_power_of_2(dv))
-    combine[(B, H, triton.cdiv(dv, bv))](
+    release = triton_release(dev)
+    k = combine[(B, H, triton.cdiv(dv, bv))](
         m, l_, o, pos, w_uv, out, H, R, dv, L, ns, ch, pos.stride(0), out.stride(0),
-        BR=br, BV=bv, BS=triton.next_power_of_2(ns), num_warps=4)
+        BR=br, BV=bv, BS=triton.next_power_of_2(ns), RELEASE=release, num_warps=4)
+    if release:
+        note_release_of(k)
     return out
