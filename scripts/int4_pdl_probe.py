@@ -12,7 +12,11 @@ the parts' sum kernel as a dependent of the K split, and a K split over blocks a
 "all": every K split so):
 * back to back, and bf16 `F.linear` the same way;
 * in a layer's order: each call preceded by a torch kernel that writes its x (`torch.mul(h, s, out=x)`, as a
-  norm would), the pair's time less that kernel's alone; bf16 the same way.
+  norm would), the pair's time less that kernel's alone; bf16 the same way;
+* after ktinject's own `rms_norm` kernel, which lets the kernel after it start early on sm_90+ (kernels/pdl.py:
+  "auto" then launches the K split as its dependent), the pair's time less the norm's alone; bf16 the same way.
+Since the forty-second session "auto" launches a one-block K split as a dependent too where the kernel captured
+before it releases early (our K split, rms_norm), so back to back "auto" is "all".
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ktinject.bench_gpu import L2_BYTES, graph_time, hardware_line  # noqa: E402
 from ktinject.operators.kernels import int4_cuda as C, int4_pack as P, int4_triton as T  # noqa: E402
+from ktinject.operators.norm import rms_norm_triton  # noqa: E402
 
 
 def ksplit_kwargs(cfg) -> dict:
@@ -121,11 +126,23 @@ def main(argv=None) -> int:
             for mode in C.PDL_MODES:
                 ctx[mode] = graph_time([lambda w=w, x=x, m_=mode: (pre(x), C.gemv_ksplit(x, w, pdl=m_, **kw))
                                         for w, x in zip(copies, xs)], a.reps) - t_pre
+            nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+
+            def norm():
+                return rms_norm_triton(h, nw, 1e-6)
+
+            t_norm = graph_time([norm for _ in copies], a.reps)
+            after = {"bf16": graph_time([lambda w=w: F.linear(norm(), w) for w in bcopies], a.reps) - t_norm}
+            for mode in C.PDL_MODES:
+                after[mode] = graph_time([lambda w=w, m_=mode: C.gemv_ksplit(norm(), w, pdl=m_, **kw)
+                                          for w in copies], a.reps) - t_norm
             fmt = "  ".join(f"{name} {t * 1e6:.2f}" for name, t in line.items())
             fmc = "  ".join(f"{name} {t * 1e6:.2f}" for name, t in ctx.items())
+            fmn = "  ".join(f"{name} {t * 1e6:.2f}" for name, t in after.items())
             xb16 = lambda d: ", ".join(f"{m_} {d['bf16'] / d[m_]:.2f}" for m_ in C.PDL_MODES)   # noqa: E731
             print(f"{spec} x {rows} ({kw}), us a call\n  back to back: {fmt}  (x bf16: {xb16(line)})\n"
-                  f"  after a torch kernel (its {t_pre * 1e6:.2f} us taken off): {fmc}  (x bf16: {xb16(ctx)})",
+                  f"  after a torch kernel (its {t_pre * 1e6:.2f} us taken off): {fmc}  (x bf16: {xb16(ctx)})\n"
+                  f"  after rms_norm (its {t_norm * 1e6:.2f} us taken off): {fmn}  (x bf16: {xb16(after)})",
                   flush=True)
         del copies, bcopies, wb
         torch.cuda.empty_cache()
