@@ -13,10 +13,10 @@ the parts' sum kernel as a dependent of the K split, and a K split over blocks a
 * back to back, and bf16 `F.linear` the same way;
 * in a layer's order: each call preceded by a torch kernel that writes its x (`torch.mul(h, s, out=x)`, as a
   norm would), the pair's time less that kernel's alone; bf16 the same way;
-* after ktinject's own `rms_norm` kernel, which lets the kernel after it start early on sm_90+ (kernels/pdl.py:
-  "auto" then launches the K split as its dependent), the pair's time less the norm's alone; bf16 the same way.
-Since the forty-second session "auto" launches a one-block K split as a dependent too where the kernel captured
-before it releases early (our K split, rms_norm), so back to back "auto" is "all".
+* after ktinject's own `rms_norm` kernel, which lets the kernel after it start early on sm_90+ (this probe sets
+  `KTINJECT_INT4_PDL=chain` for its process, so the norms release; each K split takes its mode explicitly, and
+  "chain" launches it as the norm's dependent: kernels/pdl.py), the pair's time less the norm's alone; bf16 the
+  same way. Back to back "chain" is "all" (each K split follows one of ours).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def check_chains() -> int:
             return outs
 
         ref = [t.clone() for t in chain("off")]
-        for mode in ("auto", "all"):
+        for mode in ("auto", "chain", "all"):
             chain(mode)                                                   # (compile, warm)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args(argv)
+    os.environ["KTINJECT_INT4_PDL"] = "chain"      # (rms_norm releases its dependents; the GEMVs take pdl= each)
     print(hardware_line(), flush=True)
     if not C.pdl_supported(C.device_index("cuda")):
         print("this GPU or driver takes no programmatic dependent launch")

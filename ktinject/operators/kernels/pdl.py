@@ -7,10 +7,12 @@ matrix loads its weights under the tail of the kernel before: o_proj 3.30 -> 2.2
 K splits (docs/gpu.md "Programmatic dependent launch"). It pays only where the kernel before lets the dependent
 start early (`griddepcontrol.launch_dependents`); behind any other kernel the dependent launch costs 0.07-0.17 us.
 
-So the kernels that do let it start early register here (`note_releasing`: the K split's PDL binaries, and the
-Triton kernels that call `gdc_launch_dependents` first thing: `rms_norm` and the MLA decode step's last kernel,
-each the kernel right before a projection in a decoder layer), and `after_release(stream)` says whether the
-node the next captured kernel would hang on is one of them. The answer comes from the CUDA graph being captured
+So the kernels that let it start early register here (`note_releasing`): the K split's PDL binaries, and,
+with `KTINJECT_INT4_PDL=chain` or `all`, the Triton kernels that then call `gdc_launch_dependents` first thing
+(`rms_norm` and the MLA decode step's last kernel, each the kernel right before a projection in a decoder layer).
+`after_release(stream)` says whether the node the next captured kernel would hang on is one of them, and with
+"chain" the K split launches as a dependent where it is. "chain" is opt-in: it was written in the forty-second
+session with no GPU time left to test or measure it; the default, "auto", does neither. The answer comes from the CUDA graph being captured
 (`cuStreamGetCaptureInfo`), so it is exact, torch's own kernels included; outside a capture it is False (eager
 calls launch plainly). A wrong answer would cost time, never correctness: the dependent always waits.
 """
@@ -51,9 +53,10 @@ def after_release(stream: torch.cuda.Stream) -> bool:
     return bool(tail) and len(tail) == 1 and is_releasing(tail[0])
 
 
-def pdl_off() -> bool:
-    """`KTINJECT_INT4_PDL=off` (or 0): no programmatic dependent launches, and no early releases asked for."""
-    return os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() in ("off", "0")
+def releases_wanted() -> bool:
+    """`KTINJECT_INT4_PDL=chain` or `all`: our Triton kernels before projections release their dependents early
+    (the default, "auto", asks none: opt-in until measured on a GPU, forty-second session)."""
+    return os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() in ("chain", "all")
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,9 +74,10 @@ def _triton_gdc(device_index: int) -> bool:
 
 def triton_release(device: torch.device) -> bool:
     """Whether a Triton kernel on `device` should call gdc_launch_dependents first thing (and register itself
-    with `note_release_of`): sm_90+, compiled (not Triton's interpreter), a Triton that has it, PDL not off."""
-    return device.type == "cuda" and not pdl_off() and _triton_gdc(device.index if device.index is not None
-                                                                     else torch.cuda.current_device())
+    with `note_release_of`): sm_90+, compiled (not Triton's interpreter), a Triton that has it, and
+    `releases_wanted`."""
+    return device.type == "cuda" and releases_wanted() and _triton_gdc(device.index if device.index is not None
+                                                                         else torch.cuda.current_device())
 
 
 def note_release_of(compiled) -> None:
