@@ -64,8 +64,10 @@ def _triton_kernel():
 
     try:
         from triton.language.extra.cuda import gdc_launch_dependents     # (Triton 3.3+; RELEASE needs it)
-    except ImportError:
-        gdc_launch_dependents = None
+    except ImportError:                              # (then RELEASE is never set: kernels/pdl.py)
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
 
     @triton.jit
     def rms_norm_rows(x_ptr, w_ptr, out_ptr, stride_x, stride_out, cols, eps,

@@ -41,8 +41,10 @@ def _kernels():
     import triton.language as tl
     try:
         from triton.language.extra.cuda import gdc_launch_dependents     # (Triton 3.3+; RELEASE needs it)
-    except ImportError:
-        gdc_launch_dependents = None
+    except ImportError:                              # (then RELEASE is never set: kernels/pdl.py)
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
 
     @triton.jit
     def _rope(rope_a, rope_b, j, r, ROPE: tl.constexpr):
