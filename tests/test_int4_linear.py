@@ -691,6 +691,7 @@ def test_pdl_registry_off_the_gpu(monkeypatch):
     """kernels/pdl.py without a GPU: a launched Triton kernel registers by its `function` handle (none: nothing),
     `after_release` is False outside a capture whatever is registered, and only `KTINJECT_INT4_PDL=chain` or `all`
     ask our Triton kernels to release early."""
+    import ctypes
     from types import SimpleNamespace
     from ktinject.operators.kernels import pdl
     monkeypatch.setattr(pdl, "_releasing", set())
@@ -698,7 +699,10 @@ def test_pdl_registry_off_the_gpu(monkeypatch):
     pdl.note_release_of(SimpleNamespace(function=0x1234))
     pdl.note_release_of(SimpleNamespace())                # (no handle: nothing)
     pdl.note_releasing(0)
-    assert pdl._releasing == {0x1234} and pdl.is_releasing(0x1234) and not pdl.is_releasing(0x1235)
+    pdl.note_releasing(ctypes.c_void_p(0x99))            # (torch's NVRTC kernels hold their CUfunction so)
+    pdl.note_releasing(ctypes.c_void_p())
+    assert pdl._releasing == {0x1234, 0x99} and pdl.is_releasing(0x1234) and not pdl.is_releasing(0x1235)
+    assert pdl.is_releasing(ctypes.c_void_p(0x99))
     assert not pdl.after_release(None)                    # (no CUDA here, so nothing is being captured)
     for v, wanted in (("off", False), ("0", False), ("auto", False), (" Chain ", True), ("all", True)):
         monkeypatch.setenv("KTINJECT_INT4_PDL", v)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pdl import after_release, note_releasing
+from .pdl import after_release, note_releasing, releases_wanted
 
 _PRELUDE = r"""
 typedef unsigned short u16;
@@ -1257,8 +1257,8 @@ def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list, blo
         if smem >= 48 * 1024 and smem > getattr(kern, "_max_shared_mem_bytes", 0):
             kern.set_shared_memory_config(smem)   # once per binary and size (the warm-up's call, not a capture's)
         stream = torch.cuda.current_stream(idx)
-        if isinstance(shape, KsplitShape) and shape.pdl:   # (the K split's PDL binaries release early)
-            note_releasing(kern.func)
+        if isinstance(shape, KsplitShape) and shape.pdl and releases_wanted():   # (its PDL binaries release early;
+            note_releasing(kern.func)                                               #  "chain" asks: pdl.py)
         if dependent:
             if not getattr(shape, "pdl", False):
                 raise ValueError(f"{type(shape).__name__} without pdl cannot run as a programmatic dependent")

@@ -7,14 +7,16 @@ matrix loads its weights under the tail of the kernel before: o_proj 3.30 -> 2.2
 K splits (docs/gpu.md "Programmatic dependent launch"). It pays only where the kernel before lets the dependent
 start early (`griddepcontrol.launch_dependents`); behind any other kernel the dependent launch costs 0.07-0.17 us.
 
-So the kernels that let it start early register here (`note_releasing`): the K split's PDL binaries, and,
-with `KTINJECT_INT4_PDL=chain` or `all`, the Triton kernels that then call `gdc_launch_dependents` first thing
-(`rms_norm` and the MLA decode step's last kernel, each the kernel right before a projection in a decoder layer).
-`after_release(stream)` says whether the node the next captured kernel would hang on is one of them, and with
-"chain" the K split launches as a dependent where it is. "chain" is opt-in: it was written in the forty-second
-session with no GPU time left to test or measure it; the default, "auto", does neither. The answer comes from the CUDA graph being captured
-(`cuStreamGetCaptureInfo`), so it is exact, torch's own kernels included; outside a capture it is False (eager
-calls launch plainly). A wrong answer would cost time, never correctness: the dependent always waits.
+So, with `KTINJECT_INT4_PDL=chain` or `all`, the kernels that let it start early register here
+(`note_releasing`): the K split's PDL binaries, and the Triton kernels that then call `gdc_launch_dependents`
+first thing (`rms_norm` and the MLA decode step's last kernel, each the kernel right before a projection in a
+decoder layer). `after_release(stream)` says whether the node the next captured kernel would hang on is one of
+them, and with "chain" the K split launches as that node's dependent. The answer comes from the CUDA graph being
+captured (`cuStreamGetCaptureInfo`), so it is exact, torch's own kernels included; outside a capture it is False
+(eager calls launch plainly). A wrong answer would cost time, never correctness: the dependent always waits.
+
+"chain" is opt-in: it was written in the forty-second session with no GPU time left to test or measure it. The
+default, "auto", does none of this (no registration, no graph query, the Triton kernels compiled with RELEASE off).
 """
 from __future__ import annotations
 
@@ -28,15 +30,23 @@ _lock = threading.Lock()
 _releasing: set[int] = set()           # CUfunction handles of kernels that release their dependents early
 
 
-def note_releasing(handle: int) -> None:
-    """Record a kernel (its CUfunction handle) that calls griddepcontrol.launch_dependents before it ends."""
-    if handle:
+def _handle(h) -> int:
+    """A CUfunction handle as an int: torch's NVRTC kernels hold a ctypes.c_void_p, Triton's an int."""
+    v = getattr(h, "value", h)
+    return int(v) if v else 0
+
+
+def note_releasing(handle) -> None:
+    """Record a kernel (its CUfunction handle: an int or a ctypes.c_void_p) that calls
+    griddepcontrol.launch_dependents before it ends."""
+    h = _handle(handle)
+    if h:
         with _lock:
-            _releasing.add(int(handle))
+            _releasing.add(h)
 
 
-def is_releasing(handle: int) -> bool:
-    return int(handle) in _releasing
+def is_releasing(handle) -> bool:
+    return _handle(handle) in _releasing
 
 
 def after_release(stream: torch.cuda.Stream) -> bool:
