@@ -650,6 +650,54 @@ def test_kernel_params_pack_tensors_and_ints_as_the_kernels_take_them():
     assert LaunchConfig.num_attrs.offset == 48
 
 
+@pytest.mark.parametrize("v3", [True, False])
+def test_capture_tail_functions_through_the_driver_prototypes(v3):
+    """`CudaDriver.capture_tail_functions` against stand-ins for the four driver calls, built as C function pointers
+    from the very prototypes the driver binds (so its ctypes marshalling runs as against libcuda): the CUfunction of
+    each node the next captured node would hang on, 0 for a node that is not a kernel or whose parameters cannot be
+    read, and None when the stream is not capturing, the query fails or the calls are missing."""
+    import ctypes
+    from ktinject.native import cuda_driver as D
+    nodes = (ctypes.c_void_p * 3)(0x10, 0x20, 0x30)      # a kernel, a memcpy node, a kernel whose params fail
+    state = {"status": D.CAPTURE_ACTIVE, "rc": 0, "n": 3, "edges": 0}
+
+    def capture_info(stream, status, id_out, graph_out, deps, *rest):
+        assert stream == 0xBEEF and not id_out and not graph_out
+        status[0] = state["status"]
+        deps[0] = ctypes.cast(nodes, ctypes.POINTER(ctypes.c_void_p))
+        if v3:
+            state["edges"] += bool(rest[0])               # (edge data asked for: no lossy-query error)
+        rest[-1][0] = state["n"]
+        return state["rc"]
+
+    def node_type(node, kind):
+        kind[0] = D.NODE_KERNEL if node in (0x10, 0x30) else 2
+        return 0
+
+    def kernel_params(node, params):
+        if node == 0x30:
+            return 1                                      # (CUDA_ERROR_INVALID_VALUE)
+        ctypes.c_void_p.from_address(params).value = 0xF00D   # CUDA_KERNEL_NODE_PARAMS.func, the first field
+        return 0
+
+    proto = lambda args, fn: ctypes.CFUNCTYPE(ctypes.c_int, *args)(fn)   # noqa: E731
+    drv = object.__new__(D.CudaDriver)
+    info = proto(D.CAPTURE_INFO_V3_ARGS if v3 else D.CAPTURE_INFO_V2_ARGS, capture_info)
+    drv._capture_info_v3, drv._capture_info_v2 = (info, None) if v3 else (None, info)
+    drv._node_type = proto(D.NODE_TYPE_ARGS, node_type)
+    drv._kernel_node_params = proto(D.KERNEL_NODE_PARAMS_ARGS, kernel_params)
+    assert drv.capture_tail_functions(0xBEEF) == [0xF00D, 0, 0]
+    assert state["edges"] == (1 if v3 else 0)
+    state["n"] = 1
+    assert drv.capture_tail_functions(0xBEEF) == [0xF00D]
+    state["status"] = 0                                   # (CU_STREAM_CAPTURE_STATUS_NONE)
+    assert drv.capture_tail_functions(0xBEEF) is None
+    state["status"], state["rc"] = D.CAPTURE_ACTIVE, 900  # (an error code)
+    assert drv.capture_tail_functions(0xBEEF) is None
+    drv._capture_info_v3 = drv._capture_info_v2 = None
+    assert drv.capture_tail_functions(0xBEEF) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,rows,group,kblocks", [(2048, 1, 128, 1), (2048, 4, 64, 1), (2048, 16, 128, 4),
                                                   (1024, 3, 32, 2)])

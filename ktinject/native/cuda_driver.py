@@ -26,6 +26,14 @@ WAIT_EQ = 0x1                             # CU_STREAM_WAIT_VALUE_EQ
 PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 CAPTURE_ACTIVE = 1                        # CU_STREAM_CAPTURE_STATUS_ACTIVE
 NODE_KERNEL = 0                           # CU_GRAPH_NODE_TYPE_KERNEL
+_vp, _P = ctypes.c_void_p, ctypes.POINTER
+# cuStreamGetCaptureInfo_v3(stream, status*, id*, graph*, const CUgraphNode **deps, const CUgraphEdgeData **edges,
+# size_t *n); _v2 the same without edges; cuGraphNodeGetType(node, CUgraphNodeType*); cuGraphKernelNodeGetParams
+# (_v2)(node, CUDA_KERNEL_NODE_PARAMS*)
+CAPTURE_INFO_V3_ARGS = [_vp, _P(ctypes.c_int), _P(ctypes.c_uint64), _P(_vp), _P(_P(_vp)), _P(_vp), _P(ctypes.c_size_t)]
+CAPTURE_INFO_V2_ARGS = [_vp, _P(ctypes.c_int), _P(ctypes.c_uint64), _P(_vp), _P(_P(_vp)), _P(ctypes.c_size_t)]
+NODE_TYPE_ARGS = [_vp, _P(ctypes.c_int)]
+KERNEL_NODE_PARAMS_ARGS = [_vp, _vp]
 
 
 class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
@@ -72,22 +80,13 @@ class CudaDriver:
         # drivers have the _v3 form (with edge data), older ones _v2
         self._capture_info_v3 = getattr(lib, "cuStreamGetCaptureInfo_v3", None)
         self._capture_info_v2 = getattr(lib, "cuStreamGetCaptureInfo_v2", None)
-        if self._capture_info_v3 is not None:
-            self._capture_info_v3.argtypes = [vp, P(ctypes.c_int), P(ctypes.c_uint64), P(vp), P(P(vp)), P(vp),
-                                              P(ctypes.c_size_t)]
-        if self._capture_info_v2 is not None:
-            self._capture_info_v2.argtypes = [vp, P(ctypes.c_int), P(ctypes.c_uint64), P(vp), P(P(vp)),
-                                              P(ctypes.c_size_t)]
         self._node_type = getattr(lib, "cuGraphNodeGetType", None)
         self._kernel_node_params = (getattr(lib, "cuGraphKernelNodeGetParams_v2", None)
                                     or getattr(lib, "cuGraphKernelNodeGetParams", None))
-        if self._node_type is not None:
-            self._node_type.argtypes = [vp, P(ctypes.c_int)]
-        if self._kernel_node_params is not None:
-            self._kernel_node_params.argtypes = [vp, vp]
-        for f in (self._capture_info_v3, self._capture_info_v2, self._node_type, self._kernel_node_params):
+        for f, args in ((self._capture_info_v3, CAPTURE_INFO_V3_ARGS), (self._capture_info_v2, CAPTURE_INFO_V2_ARGS),
+                        (self._node_type, NODE_TYPE_ARGS), (self._kernel_node_params, KERNEL_NODE_PARAMS_ARGS)):
             if f is not None:
-                f.restype = ctypes.c_int
+                f.argtypes, f.restype = args, ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, P(ctypes.c_char_p)]
         lib.cuCtxGetCurrent.argtypes = [P(vp)]
         for f in (self.launch_host_func, self.memcpy_dtoh_async, self.memcpy_htod_async, self._register,
@@ -180,7 +179,7 @@ class CudaDriver:
             kind, params = ctypes.c_int(), (ctypes.c_void_p * 16)()   # CUDA_KERNEL_NODE_PARAMS(_v2): func first
             node = ctypes.c_void_p(deps[i])
             if self._node_type(node, ctypes.byref(kind)) or kind.value != NODE_KERNEL or \
-                    self._kernel_node_params(node, params):
+                    self._kernel_node_params(node, ctypes.cast(params, ctypes.c_void_p)):
                 out.append(0)
             else:
                 out.append(params[0] or 0)
