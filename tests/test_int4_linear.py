@@ -766,9 +766,9 @@ def test_pdl_registry_off_the_gpu(monkeypatch):
 def test_gpu_ksplit_after_our_norm_in_a_cuda_graph(monkeypatch):
     """With `KTINJECT_INT4_PDL=chain`, in a CUDA graph being captured, `pdl.after_release` names the kernel before: True
     right after `rms_norm` (which then releases its dependents early on sm_90+) and after a K split, False after a
-    torch kernel and outside a capture; the K splits the "chain" mode then launches as dependents (norm -> GEMV -> GEMV, a torch kernel, norm -> GEMV, the
-    GEMVs reading the norm's output) give the bits of the same chain with no programmatic launch, replay after
-    replay with new inputs."""
+    torch kernel and outside a capture; the K splits the "chain" mode then launches as dependents (norm -> GEMV ->
+    GEMV, a torch kernel, norm -> GEMV, the GEMVs reading the norm's output) give the bits of the same chain with no
+    programmatic launch, replay after replay with new inputs."""
     from ktinject.operators.kernels import int4_cuda, pdl
     from ktinject.operators.norm import rms_norm_triton
     monkeypatch.setenv("KTINJECT_INT4_PDL", "chain")     # (the norm releases; the GEMVs take pdl= below)

@@ -32,7 +32,7 @@ from torch import nn
 
 from .base import BuildContext, Operator
 from .kernels import tl_dtype, triton_available
-from .kernels.pdl import note_release_of, triton_release
+from .kernels.pdl import note_release_of, triton_gdc_launch_dependents, triton_release
 from .registry import register
 
 RMS_NORM_CLASSES = ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
@@ -62,12 +62,7 @@ def _triton_kernel():
     import triton
     import triton.language as tl
 
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents     # (Triton 3.3+; RELEASE needs it)
-    except ImportError:                              # (then RELEASE is never set: kernels/pdl.py)
-        @triton.jit
-        def gdc_launch_dependents():
-            pass
+    gdc_launch_dependents = triton_gdc_launch_dependents()   # (a no-op where Triton has none: RELEASE is never set)
 
     @triton.jit
     def rms_norm_rows(x_ptr, w_ptr, out_ptr, stride_x, stride_out, cols, eps,

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pdl import after_release, note_releasing, releases_wanted
+from .pdl import after_release, note_releasing
 
 _PRELUDE = r"""
 typedef unsigned short u16;
@@ -1248,17 +1248,18 @@ def smem_limit(idx: int) -> int:
 
 
 def _launch(shape, idx: int, blocks: int, warps: int, smem: int, args: list, blocks_y: int = 1,
-            dependent: bool = False) -> None:
+            dependent: bool = False, releases: bool = False) -> None:
     """Launch one compiled kernel on GPU `idx`'s current stream (the capture stream inside a CUDA graph);
     `dependent`: as a programmatic dependent of the kernel before it (`pdl_launch`; the binary must wait on that
-    one itself: a shape with `pdl` set)."""
+    one itself: a shape with `pdl` set); `releases`: the binary lets its dependents start early, and the call's
+    mode asks that the kernels after it know (`pdl.note_releasing`)."""
     kern = _binary(shape, idx)
     with torch.cuda.device(idx):
         if smem >= 48 * 1024 and smem > getattr(kern, "_max_shared_mem_bytes", 0):
             kern.set_shared_memory_config(smem)   # once per binary and size (the warm-up's call, not a capture's)
         stream = torch.cuda.current_stream(idx)
-        if isinstance(shape, KsplitShape) and shape.pdl and releases_wanted():   # (its PDL binaries release early;
-            note_releasing(kern.func)                                               #  "chain" asks: pdl.py)
+        if releases:
+            note_releasing(kern.func)
         if dependent:
             if not getattr(shape, "pdl", False):
                 raise ValueError(f"{type(shape).__name__} without pdl cannot run as a programmatic dependent")
@@ -1666,7 +1667,7 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
             [w.qweight, w.scales, w.mins, n, int(w.scales.shape[0]), tiled_groups(w)[1], k, kw,
              x, bias if bias is not None else w.scales, out, ws, m, x.stride(0), out.stride(0),
              int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks,
-            dependent=pdl == "all" or (pdl in ("auto", "chain") and kblocks > 1) or
+            releases=pdl in ("chain", "all"), dependent=pdl == "all" or (pdl in ("auto", "chain") and kblocks > 1) or
             (pdl == "chain" and after_release(torch.cuda.current_stream(idx))))
     if kblocks > 1:
         _launch(KsplitSumShape(bf16, bias is not None, pdl != "off"), idx, -(-(m * n) // 256), 8, 0,

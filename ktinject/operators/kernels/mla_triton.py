@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from .pdl import note_release_of, triton_release
+from .pdl import note_release_of, triton_gdc_launch_dependents, triton_release
 
 ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_HALF = 0, 1, 2
 
@@ -39,12 +39,7 @@ ROPE_COMPLEX, ROPE_INTERLEAVED, ROPE_HALF = 0, 1, 2
 def _kernels():
     import triton
     import triton.language as tl
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents     # (Triton 3.3+; RELEASE needs it)
-    except ImportError:                              # (then RELEASE is never set: kernels/pdl.py)
-        @triton.jit
-        def gdc_launch_dependents():
-            pass
+    gdc_launch_dependents = triton_gdc_launch_dependents()   # (a no-op where Triton has none: RELEASE is never set)
 
     @triton.jit
     def _rope(rope_a, rope_b, j, r, ROPE: tl.constexpr):

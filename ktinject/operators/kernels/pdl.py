@@ -8,7 +8,8 @@ K splits (docs/gpu.md "Programmatic dependent launch"). It pays only where the k
 start early (`griddepcontrol.launch_dependents`); behind any other kernel the dependent launch costs 0.07-0.17 us.
 
 So, with `KTINJECT_INT4_PDL=chain` or `all`, the kernels that let it start early register here
-(`note_releasing`): the K split's PDL binaries, and the Triton kernels that then call `gdc_launch_dependents`
+(`note_releasing`): the K split's PDL binaries launched in those modes, and the Triton kernels that then call
+`gdc_launch_dependents`
 first thing (`rms_norm` and the MLA decode step's last kernel, each the kernel right before a projection in a
 decoder layer). `after_release(stream)` says whether the node the next captured kernel would hang on is one of
 them, and with "chain" the K split launches as that node's dependent. The answer comes from the CUDA graph being
@@ -69,17 +70,34 @@ def releases_wanted() -> bool:
     return os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() in ("chain", "all")
 
 
+@functools.lru_cache(maxsize=1)
+def _gdc():
+    """(Triton's gdc_launch_dependents or None where it has none (Triton 3.3+), a jit function to call in a kernel:
+    that one, or a no-op)."""
+    import triton
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents
+        return gdc_launch_dependents, gdc_launch_dependents
+    except ImportError:
+        @triton.jit
+        def no_release():
+            pass
+        return None, no_release
+
+
+def triton_gdc_launch_dependents():
+    """What a Triton kernel with a `RELEASE` constexpr calls first thing: Triton's gdc_launch_dependents, or a no-op
+    jit function where Triton has none (`triton_release` is then never true)."""
+    return _gdc()[1]
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_gdc(device_index: int) -> bool:
     if torch.version.hip or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents  # noqa: F401  (Triton 3.3+)
-    except ImportError:
-        return False
-    return True
+    return _gdc()[0] is not None
 
 
 def triton_release(device: torch.device) -> bool:
