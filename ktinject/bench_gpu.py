@@ -144,9 +144,9 @@ def int4_in_order(x, tws, wds, cfg, mode: str) -> dict:
     out["ours_after_us"] = (graph_time([lambda t_=t_, x_=x_: (torch.mul(h, 1.0, out=x_),
                                                               T.int4_gemv_tiled(x_, t_, None, cfg))
                                         for t_, x_ in zip(tws, xs)]) - t_pre) * 1e6
-    # in the model's order: after the layer's norm as ktinject runs it (`rms_norm`; with KTINJECT_INT4_PDL=chain it
-    # lets a K split after it start early where the GPU has programmatic dependent launch: kernels/pdl.py), that
-    # kernel's time taken off
+    # in the model's order: after the layer's norm as ktinject runs it (`rms_norm`; it lets a K split after it start
+    # early where the GPU has programmatic dependent launch, unless KTINJECT_INT4_PDL is "sum" or "off":
+    # kernels/pdl.py), that kernel's time taken off
     from .operators.norm import rms_norm_triton
     nw = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
     t_norm = graph_time([lambda: rms_norm_triton(h, nw, 1e-6) for _ in xs])
@@ -492,7 +492,7 @@ def to_markdown(res: dict) -> str:
             out += ["One row, us: back to back as the operator launches (`pdl`: the K split's programmatic-dependent-"
                     "launch mode, `KTINJECT_INT4_PDL`) and with no programmatic dependent launch; and in a layer's "
                     "order, each call after a torch kernel that writes its x, and after ktinject's `rms_norm` kernel "
-                    "(which lets a K split start early on sm_90+ with `KTINJECT_INT4_PDL=chain`), that kernel's time "
+                    "(which lets a K split start early on sm_90+ unless `KTINJECT_INT4_PDL` is sum or off), that kernel's time "
                     "taken off.", "",
                     "| shape | bf16 | ours | pdl | x bf16 | ours, no PDL | bf16 after a kernel | ours after a "
                     "kernel | x bf16 | bf16 after rms_norm | ours after rms_norm | x bf16 |",

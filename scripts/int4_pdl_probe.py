@@ -4,19 +4,19 @@
     python3 scripts/int4_pdl_probe.py [--shapes 2048x2048,3072x2048] [--rows 1,4,16] [--reps 15]
 
 First a correctness pass: chains of K-split GEMVs, each reading the output of the one before (and a torch
-kernel between some of them), captured in a CUDA graph with `pdl` "auto" and "all" and replayed, and run eagerly,
+kernel between some of them), captured in a CUDA graph with `pdl` "sum", "auto" and "all" and replayed, and run eagerly,
 bit for bit against the same chain with "off" (a kernel that read its input before the kernel before it finished
 would differ). Then per shape and rows (`linear_int4`'s K-split config for it): CUDA-graph replays over >= 256 MB of
-weight copies, us a call, with each `pdl` mode ("off": plain launches, the binary without griddepcontrol; "auto":
+weight copies, us a call, with each `pdl` mode ("off": plain launches, the binary without griddepcontrol; "sum":
 the parts' sum kernel as a dependent of the K split, and a K split over blocks as a dependent of the kernel before;
-"all": every K split so):
+"auto", the default: that, and a K split as a dependent of a kernel that releases it early; "all": every K split so):
 * back to back, and bf16 `F.linear` the same way;
 * in a layer's order: each call preceded by a torch kernel that writes its x (`torch.mul(h, s, out=x)`, as a
   norm would), the pair's time less that kernel's alone; bf16 the same way;
 * after ktinject's own `rms_norm` kernel, which lets the kernel after it start early on sm_90+ (this probe sets
-  `KTINJECT_INT4_PDL=chain` for its process, so the norms release; each K split takes its mode explicitly, and
-  "chain" launches it as the norm's dependent: kernels/pdl.py), the pair's time less the norm's alone; bf16 the
-  same way. Back to back "chain" is "all" (each K split follows one of ours).
+  `KTINJECT_INT4_PDL=auto` for its process, so the norms release whatever the caller's environment says; each K
+  split takes its mode explicitly, and "auto" launches it as the norm's dependent: kernels/pdl.py), the pair's time
+  less the norm's alone; bf16 the same way. Back to back "auto" is "all" (each K split follows one of ours).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def check_chains() -> int:
             return outs
 
         ref = [t.clone() for t in chain("off")]
-        for mode in ("auto", "chain", "all"):
+        for mode in ("sum", "auto", "all"):
             chain(mode)                                                   # (compile, warm)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args(argv)
-    os.environ["KTINJECT_INT4_PDL"] = "chain"      # (rms_norm releases its dependents; the GEMVs take pdl= each)
+    os.environ["KTINJECT_INT4_PDL"] = "auto"       # (rms_norm releases its dependents; the GEMVs take pdl= each)
     print(hardware_line(), flush=True)
     if not C.pdl_supported(C.device_index("cuda")):
         print("this GPU or driver takes no programmatic dependent launch")

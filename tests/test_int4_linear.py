@@ -447,8 +447,11 @@ def test_cuda_gemv_reports_why_it_is_missing(monkeypatch):
     assert int4_cuda.pdl_mode(0) == "all" and int4_cuda.pdl_mode(0, "off") == "off"
     monkeypatch.setenv("KTINJECT_INT4_PDL", "0")
     assert int4_cuda.pdl_mode(0) == "off"
-    monkeypatch.setenv("KTINJECT_INT4_PDL", "chain")
-    assert int4_cuda.pdl_mode(0) == "chain"
+    monkeypatch.setenv("KTINJECT_INT4_PDL", " Sum ")
+    assert int4_cuda.pdl_mode(0) == "sum"
+    monkeypatch.setenv("KTINJECT_INT4_PDL", "chain")         # (the forty-second session's opt-in name: now "auto")
+    with pytest.raises(ValueError, match="KTINJECT_INT4_PDL='chain': it takes one of"):
+        int4_cuda.pdl_mode(0)
     monkeypatch.setenv("KTINJECT_INT4_PDL", "yes")
     with pytest.raises(ValueError, match="KTINJECT_INT4_PDL='yes': it takes one of"):
         int4_cuda.pdl_mode(0)
@@ -703,7 +706,7 @@ def test_capture_tail_functions_through_the_driver_prototypes(v3):
                                                   (1024, 3, 32, 2)])
 def test_gpu_ksplit_pdl_chain_in_a_cuda_graph(n, rows, group, kblocks):
     """Programmatic dependent launch: a chain of K-split GEMVs, each reading the one before's output (a torch kernel
-    between some), captured with `pdl` "auto" and "all" and replayed, and run eagerly so, gives the bits of the chain
+    between some), captured with `pdl` "sum", "auto" and "all" and replayed, and run eagerly so, gives the bits of the chain
     run with "off" (a GEMV or sum that read its input before the kernel before it had finished would not)."""
     from ktinject.operators.kernels import int4_cuda
     if not int4_cuda.pdl_supported(0):
@@ -722,7 +725,7 @@ def test_gpu_ksplit_pdl_chain_in_a_cuda_graph(n, rows, group, kblocks):
         return outs
 
     want = [t.clone() for t in chain("off")]
-    for mode in ("auto", "chain", "all"):
+    for mode in ("sum", "auto", "all"):
         assert all(torch.equal(a, b) for a, b in zip(chain(mode), want))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -737,8 +740,8 @@ def test_gpu_ksplit_pdl_chain_in_a_cuda_graph(n, rows, group, kblocks):
 
 def test_pdl_registry_off_the_gpu(monkeypatch):
     """kernels/pdl.py without a GPU: a launched Triton kernel registers by its `function` handle (none: nothing),
-    `after_release` is False outside a capture whatever is registered, and only `KTINJECT_INT4_PDL=chain` or `all`
-    ask our Triton kernels to release early."""
+    `after_release` is False outside a capture whatever is registered, and `KTINJECT_INT4_PDL` "auto" (the default)
+    and "all" ask our Triton kernels to release early, "sum" and "off" do not."""
     import ctypes
     from types import SimpleNamespace
     from ktinject.operators.kernels import pdl
@@ -752,26 +755,26 @@ def test_pdl_registry_off_the_gpu(monkeypatch):
     assert pdl._releasing == {0x1234, 0x99} and pdl.is_releasing(0x1234) and not pdl.is_releasing(0x1235)
     assert pdl.is_releasing(ctypes.c_void_p(0x99))
     assert not pdl.after_release(None)                    # (no CUDA here, so nothing is being captured)
-    for v, wanted in (("off", False), ("0", False), ("auto", False), (" Chain ", True), ("all", True)):
+    for v, wanted in (("off", False), ("0", False), (" Sum ", False), (" Auto ", True), ("", True), ("all", True)):
         monkeypatch.setenv("KTINJECT_INT4_PDL", v)
         assert pdl.releases_wanted() is wanted
         if not wanted:
             assert not pdl.triton_release(torch.device("cuda", 0))
         assert not pdl.triton_release(torch.device("cpu"))
     monkeypatch.delenv("KTINJECT_INT4_PDL")
-    assert not pdl.releases_wanted()                      # (the default, "auto", asks no kernel to release)
+    assert pdl.releases_wanted()                          # (the default, "auto")
 
 
 @pytest.mark.gpu
 def test_gpu_ksplit_after_our_norm_in_a_cuda_graph(monkeypatch):
-    """With `KTINJECT_INT4_PDL=chain`, in a CUDA graph being captured, `pdl.after_release` names the kernel before: True
+    """With `KTINJECT_INT4_PDL=auto`, in a CUDA graph being captured, `pdl.after_release` names the kernel before: True
     right after `rms_norm` (which then releases its dependents early on sm_90+) and after a K split, False after a
-    torch kernel and outside a capture; the K splits the "chain" mode then launches as dependents (norm -> GEMV ->
+    torch kernel and outside a capture; the K splits the "auto" mode then launches as dependents (norm -> GEMV ->
     GEMV, a torch kernel, norm -> GEMV, the GEMVs reading the norm's output) give the bits of the same chain with no
     programmatic launch, replay after replay with new inputs."""
     from ktinject.operators.kernels import int4_cuda, pdl
     from ktinject.operators.norm import rms_norm_triton
-    monkeypatch.setenv("KTINJECT_INT4_PDL", "chain")     # (the norm releases; the GEMVs take pdl= below)
+    monkeypatch.setenv("KTINJECT_INT4_PDL", "auto")      # (the norm releases; the GEMVs take pdl= below)
     if not int4_cuda.pdl_supported(0) or not pdl.triton_release(torch.device("cuda", 0)):
         pytest.skip("programmatic dependent launch (compute capability 9.0+, Triton with gdc) is not here")
     torch.manual_seed(5)
@@ -794,11 +797,11 @@ def test_gpu_ksplit_after_our_norm_in_a_cuda_graph(monkeypatch):
         return [a, b, c]
 
     want = [t.clone() for t in chain("off")]
-    assert all(torch.equal(a, b) for a, b in zip(chain("chain", probe=True), want))
+    assert all(torch.equal(a, b) for a, b in zip(chain("auto", probe=True), want))
     assert seen[-3:] == [False, False, False]          # (eager: nothing is being captured)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = chain("chain", probe=True)
+        got = chain("auto", probe=True)
     assert seen[-3:] == [True, True, False]            # after the norm, after a K split, after torch.mul
     for sign in (1, -1, 1):
         h.mul_(sign)

@@ -61,7 +61,7 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_HOSTJOB_SKIP": ("choice", "0", "1", "2"),
     "KTINJECT_KQUANT": ("choice", "native", "torch"),
     "KTINJECT_INT4_CUDA": ("switch",),
-    "KTINJECT_INT4_PDL": ("choice", "off", "auto", "chain", "all", "0"),
+    "KTINJECT_INT4_PDL": ("choice", "off", "sum", "auto", "all", "0"),
 }
 
 _INT = re.compile(r"[+-]?[0-9]+")

@@ -16,10 +16,10 @@ dtype), so results equal transformers' up to the order of the float32 sum of squ
 two ulps of the output dtype where that order moves a rounding). It replaces the RMSNorm classes
 of the five families (and Llama's), with `eps` read from the module.
 
-With `KTINJECT_INT4_PDL=chain` (opt-in) the kernel lets the kernel after it start early on sm_90+
-(`gdc_launch_dependents` first thing): a decoder layer's projections follow its norms, and
+On sm_90+ the kernel lets the kernel after it start early (`gdc_launch_dependents` first thing;
+not with `KTINJECT_INT4_PDL` "sum" or "off"): a decoder layer's projections follow its norms, and
 `linear_int4`'s one-row K split, captured right after it in a CUDA graph, then loads its weights
-while the norm runs (kernels/pdl.py).
+while the norm runs (kernels/pdl.py; q_proj 3.79 -> 3.12 us on an H100).
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ tile (a `convert_layout` in the TTGIR). CUDA C controls the layout:
   only, leaves fp32 parts, and `ktk_int4_ksplit_sum` adds them in order (docs/gpu.md "The K split over blocks").
   On sm_90+ the sum kernel, and a K split over blocks, launch as programmatic dependents of the kernel before
   them (`pdl_mode`, `KTINJECT_INT4_PDL`: the weights' loads issued before griddepcontrol.wait; docs/gpu.md
-  "Programmatic dependent launch"); with `KTINJECT_INT4_PDL=chain` so does any K split that a CUDA graph
-  captures right after a kernel that lets it start early (`pdl.py`).
+  "Programmatic dependent launch"); so does any K split that a CUDA graph captures right after a kernel that
+  lets it start early (`pdl.py`; `KTINJECT_INT4_PDL=sum` keeps to the first two).
 
 Measured (docs/gpu.md): `cuda` and `mma` reach ~2.0 TB/s on the lm_head, like the Triton kernels
 (Nsight Compute: ~190 warp instructions per 1024 weights for mma, of which its inner loop needs 36);
@@ -1296,19 +1296,19 @@ def pdl_launch(kern, grid: tuple, block: tuple, smem: int, stream, args: list) -
     driver().launch_programmatic(kern.func, grid, block, smem, stream.cuda_stream, arr)
 
 
-PDL_MODES = ("off", "auto", "chain", "all")
+PDL_MODES = ("off", "sum", "auto", "all")
 
 
 def pdl_mode(idx: int, mode: str | None = None) -> str:
     """The programmatic-dependent-launch mode the K split runs with on GPU `idx`: `mode`, or None for
-    `KTINJECT_INT4_PDL` (read at each call; default "auto"): "auto" launches the parts' sum kernel (K over blocks)
+    `KTINJECT_INT4_PDL` (read at each call; default "auto"): "sum" launches the parts' sum kernel (K over blocks)
     as a dependent of the K split, a K split over blocks as a dependent of whatever kernel runs before it in the
-    stream (both measured faster after any kernel); "chain" (opt-in until measured on a GPU: forty-second
-    session) that, and any other K split so where, in a CUDA graph being captured, the kernel before it releases
-    its dependents early (one of ours: `pdl.after_release`; with "chain" and "all" `rms_norm` and the MLA decode
-    step's last kernel release early too); "all" every K split so (faster behind one of ours, slower by
-    0.1-0.2 us behind a kernel that does not release it early); "off" none. "off" wherever the GPU or driver
-    cannot (`pdl_unavailable_reason`). Measured: docs/gpu.md "Programmatic dependent launch"."""
+    stream (both measured faster after any kernel); "auto" that, and any other K split so where, in a CUDA graph
+    being captured, the kernel before it releases its dependents early (one of ours: `pdl.after_release`; with
+    "auto" and "all" `rms_norm` and the MLA decode step's last kernel release early too; measured on an H100 in
+    the forty-third session: q_proj 3.79 -> 3.12 us after the norm); "all" every K split so (faster behind one of
+    ours, slower by 0.1-0.2 us behind a kernel that does not release it early); "off" none. "off" wherever the
+    GPU or driver cannot (`pdl_unavailable_reason`). Measured: docs/gpu.md "Programmatic dependent launch"."""
     import os
     if mode is None:
         mode = os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() or "auto"
@@ -1634,9 +1634,9 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
     (each stages x for its own steps; fp32 parts, then a second kernel adds them in order and the bias).
     `persist` (probe; kblocks 1): as many blocks as the launch bound puts on the SMs at once, each taking rounds of
     tiles with the next round's weights loaded before this round's math. `pdl`: programmatic dependent launch
-    (`pdl_mode`; None: `KTINJECT_INT4_PDL`, default "auto"): "auto", the parts' sum kernel launches while the K
+    (`pdl_mode`; None: `KTINJECT_INT4_PDL`, default "auto"): "sum", the parts' sum kernel launches while the K
     split runs, and a K split over blocks while the kernel before it in the stream finishes (its weights' loads
-    first); "chain", that and any K split captured right after a kernel that releases it early
+    first); "auto", that and any K split captured right after a kernel that releases it early
     (`pdl.after_release`: our K splits, `rms_norm`, the MLA decode step's last kernel); "all", every K split so;
     "off" (docs/gpu.md "Programmatic dependent launch", "Behind our own kernels")."""
     from .int4_triton import tiled_groups
@@ -1667,8 +1667,8 @@ def gemv_ksplit(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, ksplit:
             [w.qweight, w.scales, w.mins, n, int(w.scales.shape[0]), tiled_groups(w)[1], k, kw,
              x, bias if bias is not None else w.scales, out, ws, m, x.stride(0), out.stride(0),
              int(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0)], blocks_y=kblocks,
-            releases=pdl in ("chain", "all"), dependent=pdl == "all" or (pdl in ("auto", "chain") and kblocks > 1) or
-            (pdl == "chain" and after_release(torch.cuda.current_stream(idx))))
+            releases=pdl in ("auto", "all"), dependent=pdl == "all" or (pdl != "off" and kblocks > 1) or
+            (pdl == "auto" and after_release(torch.cuda.current_stream(idx))))
     if kblocks > 1:
         _launch(KsplitSumShape(bf16, bias is not None, pdl != "off"), idx, -(-(m * n) // 256), 8, 0,
                 [ws, bias if bias is not None else out, out, n, m, kblocks, out.stride(0)], dependent=pdl != "off")
