@@ -90,6 +90,30 @@ void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *
     }
 }
 
+/* The gate/up epilogue's h straight into the down GEMM's packing (ktk_amx_pack_x's bits, without the f32 rows): C
+ * holds one k-step of it, 32 values (rows of C, ldc floats apart) for each of the expert's n tokens (columns), and
+ * the block of k-step ks of token tile tt, at pk + (tt * KS + ks) * 512, is B[p][t] = (C[2p][t], C[2p + 1][t]) in
+ * bf16: a pair's two values from two rows of C, no transpose. Tokens past n are zeros, as the packing pads them. */
+__attribute__((target("avx2")))
+void ktk_amx_c_to_pack(const float *C, int64_t ldc, int64_t n, int64_t KS, int64_t ks, uint16_t *pk) {
+    for (int64_t tt = 0; tt < (n + 15) / 16; tt++) {
+        uint32_t *blk = (uint32_t *)pk + (tt * KS + ks) * 256;
+        const int64_t left = n - tt * 16;
+        const __m256i keep0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 16 ? 16 : (int)left),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i keep1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 16 ? 16 : (int)left),
+                                                 _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15));
+        for (int p = 0; p < 16; p++) {
+            const float *a = C + 2 * p * ldc + tt * 16, *b = a + ldc;
+            for (int h = 0; h < 2; h++) {
+                __m256i lo = ktk_bf16_lanes(_mm256_loadu_ps(a + 8 * h)), hi = ktk_bf16_lanes(_mm256_loadu_ps(b + 8 * h));
+                __m256i v = _mm256_and_si256(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)), h ? keep1 : keep0);
+                _mm256_storeu_si256((__m256i *)(blk + p * 16 + 8 * h), v);
+            }
+        }
+    }
+}
+
 #if defined(KTK_AMX_EMULATE)
 /* A software tile unit, so that the tile loop below runs (slowly) on any x86 CPU: built only into
  * native/amx_emulate_check.c's driver (tests/test_amx_emulated.py), never into the library. Eight

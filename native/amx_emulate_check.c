@@ -265,6 +265,14 @@ static int check_moe(void) {
         int err = 0;
         ktk_moe *m = ktk_moe_new(&d, &err);
         if (!m) { fails++; printf("FAIL moe_new %d\n", err); }
+        /* the same layer with h written in f32 rows by the gate/up epilogue and packed apart (KTINJECT_AMX_FUSE_H=0):
+         * the same bits as the epilogue's own packing */
+        const char *fuse = getenv("KTINJECT_AMX_FUSE_H");
+        char *fuse_was = fuse ? strdup(fuse) : NULL;
+        setenv("KTINJECT_AMX_FUSE_H", fuse && fuse[0] == '0' ? "1" : "0", 1);
+        ktk_moe *mf = ktk_moe_new(&d, &err);
+        if (fuse_was) { setenv("KTINJECT_AMX_FUSE_H", fuse_was, 1); free(fuse_was); } else unsetenv("KTINJECT_AMX_FUSE_H");
+        if (!mf) { fails++; printf("FAIL moe_new (the other h packing) %d\n", err); }
         /* the same layer with I8 copies of gate, up and down: the AMX-INT8 path in this build */
         const int64_t dg = ti % 2 ? 128 : 0;   /* the down's group: the default (704) or 128 */
         const int64_t esg = ktk_i8_expert_bytes(I, H, 0), esd = ktk_i8_expert_bytes(H, I, dg);
@@ -302,6 +310,16 @@ static int check_moe(void) {
                 fails++;
                 printf("FAIL moe types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
             }
+            if (mf) {
+                float *out2 = malloc((size_t)(T * H) * 4);
+                rc = ktk_moe_forward(mf, pool, KTK_ISA_AVX2, T, k, x, ids, w, out2);
+                if (rc || memcmp(out, out2, (size_t)(T * H) * 4)) {
+                    fails++;
+                    printf("FAIL moe types %d/%d, %lld tokens: h packed by the epilogue and apart differ (rc %d)\n", gt, dt,
+                           (long long)T, rc);
+                }
+                free(out2);
+            }
             if (m8) {   /* int8 weights (per row and group) and tokens (per token and group) */
                 rc = ktk_moe_forward(m8, pool, KTK_ISA_AVX2, T, k, x, ids, w, out);
                 e = rel_err(out, ref, T * H);
@@ -321,7 +339,7 @@ static int check_moe(void) {
             }
             free(x); free(w); free(ref); free(out); free(ids);
         }
-        ktk_moe_free(m); ktk_moe_free(m8); ktk_moe_free(m4);
+        ktk_moe_free(m); ktk_moe_free(mf); ktk_moe_free(m8); ktk_moe_free(m4);
         free(g); free(u); free(dn); free(gi); free(ui); free(di); free(gi4); free(ui4); free(di4);
     }
     ktk_pool_free(pool);
@@ -355,6 +373,39 @@ static int check_pack_b(void) {
             }
             free(x); free(xb); free(p0); free(p1);
         }
+    return fails;
+}
+
+/* ktk_amx_c_to_pack (the gate/up epilogue's h packed for the down GEMM, one k-step a call) against ktk_amx_pack_x on
+ * the same values as token rows: a NaN, values that round, the C columns past the tokens holding garbage, the same
+ * bits for every token count */
+static int check_c_to_pack(void) {
+    static const int64_t cnts[] = {1, 7, 16, 17, 33, 48};
+    const int64_t KS = 3, K = 32 * KS;
+    int fails = 0;
+    for (size_t ci = 0; ci < sizeof cnts / sizeof *cnts; ci++) {
+        const int64_t nt = cnts[ci], ldc = (nt + 15) / 16 * 16 + (ci % 2) * 16, sz = ktk_amx_pack_x_elems(nt, K);
+        float *C = malloc((size_t)(KS * 32 * ldc) * 4), *x = malloc((size_t)(nt * K) * 4);
+        uint16_t *p0 = aligned_alloc(64, (size_t)(sz * 2 + 63) / 64 * 64), *p1 = aligned_alloc(64, (size_t)(sz * 2 + 63) / 64 * 64);
+        const float *xp[48];
+        for (int64_t ks = 0; ks < KS; ks++)
+            for (int64_t r = 0; r < 32; r++)
+                for (int64_t t = 0; t < ldc; t++)
+                    C[(ks * 32 + r) * ldc + t] = t < nt ? frand() * 3.f : (t % 2 ? NAN : 1e30f);
+        C[(1 * 32 + 5) * ldc + 0] = NAN;
+        for (int64_t t = 0; t < nt; t++) {
+            for (int64_t i = 0; i < K; i++) x[t * K + i] = C[((i / 32) * 32 + i % 32) * ldc + t];
+            xp[t] = x + t * K;
+        }
+        ktk_amx_pack_x(xp, nt, K, p0);
+        memset(p1, 0xab, (size_t)sz * 2);
+        for (int64_t ks = 0; ks < KS; ks++) ktk_amx_c_to_pack(C + ks * 32 * ldc, ldc, nt, KS, ks, p1);
+        if (memcmp(p0, p1, (size_t)sz * 2)) {
+            printf("FAIL c_to_pack %lld tokens, ldc %lld: not ktk_amx_pack_x's bits\n", (long long)nt, (long long)ldc);
+            fails++;
+        }
+        free(C); free(x); free(p0); free(p1);
+    }
     return fails;
 }
 
@@ -418,12 +469,14 @@ int main(void) {
     cases += 2;
     fails += check_silu(ktk_amx_silu_mul, "ktk_amx_silu_mul");
     fails += check_silu(ktk_silu_mul_avx2, "ktk_silu_mul_avx2");
-    cases += 16;
+    cases += 24;
     fails += check_moe();
     cases += 2;
     fails += check_ix(8) + check_ix(4);
     cases += 9;
     fails += check_pack_b();
+    cases += 6;
+    fails += check_c_to_pack();
     printf("%s (%d cases, %d failures)\n", fails ? "FAILED" : "OK", cases, fails);
     return fails != 0;
 }

@@ -242,6 +242,9 @@ int ktk_amx_pack_once_usable(void);
  * of those rows packed as ktk_amx_pack_x packs them (the same bits) */
 void ktk_amx_rows_to_bf16(const float *X, int64_t ldx, int64_t nt, int64_t K, uint16_t *y);
 void ktk_amx_pack_b(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t K, uint16_t *pk);
+/* C's 32 rows (one k-step of h) of n tokens into the down GEMM's packing, k-step ks of KS (ktk_amx_pack_x's bits;
+ * ldc >= n rounded up to 16) */
+void ktk_amx_c_to_pack(const float *C, int64_t ldc, int64_t n, int64_t KS, int64_t ks, uint16_t *pk);
 /* C [rows][ldc] (rows % 8 == 0, ldc >= n rounded up to 8) to token rows: for j < n, row
  * out + (idx ? idx[j] : j) * stride gets C[0 .. rows)[j], stored (wv NULL) or added times wv[j] */
 void ktk_amx_c_to_rows(const float *C, int64_t ldc, int rows, int64_t n, float *out, const int64_t *idx,

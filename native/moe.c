@@ -8,8 +8,9 @@
  *                                             items: threads or 0, + T or 0, + grouped experts
  *   P1  gate and up projections, h = SiLU(gate) * up, for (expert, 32 rows of I)
  *                                                                items: active experts * I/32
- *   P2  quantize h of the row-dot experts' (token, expert) pairs; pack h of grouped experts
- *                                                   items: row-dot experts + grouped experts
+ *   P2  quantize h of the row-dot experts' (token, expert) pairs; pack h of grouped experts (on AMX with a bf16
+ *       down, P1's epilogue packs h itself: $KTINJECT_AMX_FUSE_H=0 for the f32 rows and this packing)
+ *                                  items: row-dot experts + grouped experts (none of those with P1's packing)
  *   P3  down projection and weighted sum, for 32 rows of H over every active expert, so each
  *       output element has one writer (no atomics, fixed summation order)     items: H/32
  *       (with every expert grouped: two halves of the experts summed apart and added, in one item or,
@@ -87,6 +88,7 @@ struct ktk_moe {
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
     int *dcnt;                                         /* [nch] halves done, per item's chunk (or pair), when split */
     int pack_once;                                     /* $KTINJECT_PACK_ONCE: the AMX gate/up tokens quantized / converted once (P0) */
+    int fuse_h_on, fuse_h;                             /* $KTINJECT_AMX_FUSE_H; this job: P1 packs h for a bf16 down (no P2 pack) */
     int64_t nqt, qchunk;                               /* P0's token chunks to quantize first (0: none), tokens in each */
     int8_t *tq, *tqmem;                                /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16
                                                           [T][H] (in h, which P1 writes only later, or in tqmem) */
@@ -192,6 +194,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         if (m->down_chunks < 1 || m->down_chunks > 8) m->down_chunks = 1;
         s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
+        s = getenv("KTINJECT_AMX_FUSE_H");   /* 0: P1 writes h in f32 rows and P2 packs them for a bf16 down (A/B) */
+        m->fuse_h_on = !(s && s[0] == '0');
         s = getenv("KTINJECT_PACKED_F32");   /* 0: the grouped f32 path multiplies unpacked tokens (A/B) */
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
@@ -343,6 +347,16 @@ static inline void prefetch_h_for_write(const float *h, int64_t n, int64_t I) {
 #endif
 }
 
+/* The same for h packed in P1 (fuse_h): the 1 KiB blocks of k-step ks of the expert's n tokens, KS k-steps apart */
+static inline void prefetch_pack_for_write(const uint16_t *pk, int64_t n, int64_t KS, int64_t ks) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    for (int64_t tt = 0; tt < (n + 15) / 16; tt++)
+        for (int l = 0; l < 16; l++) __asm__ volatile("prefetchw %0" ::"m"(*((const char *)(pk + (tt * KS + ks) * 512) + 64 * l)));
+#else
+    (void)pk; (void)n; (void)KS; (void)ks;
+#endif
+}
+
 static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     const ktk_moe_desc *d = &m->d;
     int64_t a = item / m->nci, c = item % m->nci, e = m->act[a], n = m->cnt[e], base = m->off[e];
@@ -351,7 +365,9 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
     if (m->tile[e]) {
         scratch_t s = get_scratch(m, tid);
         if (!s.wf) { __atomic_store_n(&m->fail, 1, __ATOMIC_RELAXED); return; }
-        if (m->amx) prefetch_h_for_write(m->h + base * I + r0, n, I);
+        uint16_t *hpk = m->fuse_h ? m->hpk + m->pk_off[e] * I : NULL;   /* h packed here for the down GEMM */
+        if (hpk) prefetch_pack_for_write(hpk, n, I / RC, c);
+        else if (m->amx) prefetch_h_for_write(m->h + base * I + r0, n, I);
         if (m->i8_gu) {
             const int8_t *pk = pk_i8(m, m->xpk, H, e);
             const float *ts = ts_i8(m, m->xpk, H, m->i8_g_gu, e);
@@ -373,7 +389,8 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
         if (m->amx) {   /* C row-major: SiLU(gate) * up in place, vectorized, then each token's 32 values */
             TR_START();
             ktk_amx_silu_mul(s.c0, s.c1, s.cr, RC);
-            ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->h + base * I + r0, NULL, I, NULL);
+            if (hpk) ktk_amx_c_to_pack(s.c0, s.cr, n, I / RC, c, hpk);
+            else ktk_amx_c_to_rows(s.c0, s.cr, RC, n, m->h + base * I + r0, NULL, I, NULL);
             TR_ADD(tid, 2);
         } else if (s.ct == 1) {   /* the packed f32 path: row-major C blocks, as on AMX */
             ktk_silu_mul_avx2(s.c0, s.c1, s.cr, RC);
@@ -671,7 +688,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
                 m->K->quant_act(m->h + pos * I, (ktk_q8 *)(m->hq + pos * ktk_act_bytes(I)), I);
             break;
         }
-        pack_h(m, m->tile_list[item - m->nplain], tid);
+        pack_h(m, m->tile_list[item - m->nplain], tid);   /* (none with fuse_h: P1 packed them) */
         break;
     default: phase_down(m, item, tid); break;
     }
@@ -816,7 +833,9 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
             m->nbig = full / m->dsplit < m->nch / m->dch ? full / m->dsplit : m->nch / m->dch;
         }
     }
-    int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + m->ntile,
+    /* a bf16 down on AMX takes h packed by P1 straight from the gate/up epilogue: no f32 rows, no P2 packing */
+    m->fuse_h = m->amx && m->ntile && !m->i8_dn && m->fuse_h_on;
+    int64_t items[4] = {m->nqt + m->nq0 + m->ntile, m->nact * m->nci, m->nplain + (m->fuse_h ? 0 : m->ntile),
                         m->halves ? (m->nch - m->nbig * (m->dch - 1)) * m->dsplit : m->nch};
     /* with grouped experts on AMX, workers take gate/up items (row chunks of one expert) 4 at a time,
      * so the expert's packed tokens stay in one worker's L2: 14-18% faster layers on the lent Xeon at

@@ -167,14 +167,8 @@ void ktk_silu_mul_avx2(float *g, const float *u, int64_t ldc, int rows) {
 
 static void to_bf16_avx2(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
-    const __m256i r = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), inf = _mm256_set1_epi32(0x7f800000);
     for (; i + 8 <= n; i += 8) {
-        __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
-        /* NaN stays a quiet NaN (ktk_f32_to_bf16): rounding would carry it into Inf or zero */
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), inf);
-        __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-        u = _mm256_add_epi32(u, _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-        u = _mm256_blendv_epi8(_mm256_srli_epi32(u, 16), q, nan);
+        __m256i u = ktk_bf16_lanes(_mm256_loadu_ps(x + i));
         __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
         _mm_storeu_si128((__m128i *)(y + i), p);
     }

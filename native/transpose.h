@@ -1,5 +1,6 @@
 /* 8 x 8 transpose of 32-bit lanes in AVX2 registers, shared by the AMX token packing (amx.c, i8.c) and the
- * AVX2 packed f32 path (quant_avx2.c); and the 16 x 16 one that builds a token tile's 1 KiB B block. */
+ * AVX2 packed f32 path (quant_avx2.c); the 16 x 16 one that builds a token tile's 1 KiB B block; and eight floats
+ * to bf16, as ktk_f32_to_bf16 rounds them (quant_avx2.c's to_bf16, amx.c's h packing). */
 #ifndef KTK_TRANSPOSE_H
 #define KTK_TRANSPOSE_H
 #include <immintrin.h>
@@ -23,6 +24,18 @@ static inline void ktk_transpose8x8(__m256i *r) {
         r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
         r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
     }
+}
+
+/* Eight floats to bf16 bits, each in the low half of its 32-bit lane: round to nearest even, NaN kept a quiet NaN
+ * (rounding would carry it into Inf or zero), as ktk_f32_to_bf16 */
+__attribute__((target("avx2")))
+static inline __m256i ktk_bf16_lanes(__m256 x) {
+    const __m256i r = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), inf = _mm256_set1_epi32(0x7f800000);
+    __m256i u = _mm256_castps_si256(x);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), inf);
+    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    return _mm256_blendv_epi8(_mm256_srli_epi32(u, 16), q, nan);
 }
 
 /* A B tile block from 16 tokens' 64 bytes of one k-step: blk[p * 16 + t] = row[t][p] (p < 16: a bf16 pair or an

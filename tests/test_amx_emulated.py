@@ -3,7 +3,8 @@
 checks ktk_amx_rows_bf16's tile-major rows value by value and ktk_amx_gemm (token tile pairs and a
 last single tile, token counts not a multiple of 16, two C strides) against a double-precision dot,
 BF16 rows read in place by the tiles bit for bit against the converted ones, then the SiLU epilogue against libm (huge, infinite and NaN inputs too) and the MoE layer's grouped
-path (packing, epilogue, down projection) against the scalar path; all of it twice, the INT8 tile GEMM
+path (packing, epilogue, down projection) against the scalar path, and h packed by the gate/up epilogue
+bit for bit against h written in rows and packed apart (KTINJECT_AMX_FUSE_H=0); all of it twice, the INT8 tile GEMM
 taking its token tiles in pairs, then with an odd count starting with three (KTINJECT_AMX_TRIPLE=1), its passes
 group by group (KTINJECT_AMX_GROUP_MAJOR=1) and the down phase's halves of the experts as two items
 (KTINJECT_DOWN_SPLIT=2). On a CPU with AVX-512
