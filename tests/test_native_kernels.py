@@ -359,6 +359,27 @@ def test_moe_mixed_types_and_fused_rows(isa):
         assert rel_err(kern(x, ids, w), ref_moe(x, ids, w, G, U, D)) < tol
 
 
+@pytest.mark.skipif("amx" not in ISAS, reason="needs AMX tiles (the lent Xeon)")
+@pytest.mark.parametrize("qt,dqt", [(QT.BF16, QT.BF16), (QT.Q4_K, QT.Q5_0)])
+def test_amx_h_packed_by_the_epilogue_bit_for_bit(qt, dqt, monkeypatch):
+    """On AMX tiles with a bf16 down, the gate/up epilogue packs h for the down GEMM itself (ktk_amx_c_to_pack):
+    the same bits as h written in f32 rows and packed in the third phase (KTINJECT_AMX_FUSE_H=0), a layer with a
+    row-dot expert (fewer tokens than a tile takes) beside the grouped ones, and within the layer's tolerance of
+    the reference."""
+    (gate, up, down), (G, U, D) = moe_case(qt, dqt, E=8, H=256, I=512, seed=7)
+    T = 70
+    x = torch.randn(T, 256)
+    ids, w = _routing(T, 8, 2, seed=11)
+    ids[:, 1] = torch.where(ids[:, 1] == 7, 6, ids[:, 1])
+    ids[:, 0] = torch.where(ids[:, 0] == 7, 5, ids[:, 0])
+    ids[0, 1] = 7 if ids[0, 0] != 7 else 6                     # expert 7: one token, the row-dot path
+    fused = native.MoEKernel(gate, up, down, threads=3, isa="amx")(x, ids, w)
+    monkeypatch.setenv("KTINJECT_AMX_FUSE_H", "0")
+    rows = native.MoEKernel(gate, up, down, threads=3, isa="amx")(x, ids, w)
+    assert torch.equal(fused, rows)
+    assert rel_err(fused, ref_moe(x, ids, w, G, U, D)) < 2e-2
+
+
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_thread_counts_agree(threads):
     """Results do not depend on the thread count, even oversubscribed (fixed summation order)."""
