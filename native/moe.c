@@ -88,7 +88,7 @@ struct ktk_moe {
     float *dslot, *dmem;                               /* [nch][2][T][RC]: the halves' sums when split (in h or dmem) */
     int *dcnt;                                         /* [nch] halves done, per item's chunk (or pair), when split */
     int pack_once;                                     /* $KTINJECT_PACK_ONCE: the AMX gate/up tokens quantized / converted once (P0) */
-    int fuse_h_on, fuse_h;                             /* $KTINJECT_AMX_FUSE_H; this job: P1 packs h for a bf16 down (no P2 pack) */
+    int fuse_h_on, fuse_h;                             /* $KTINJECT_AMX_FUSE_H; this job: P1 packs h (bf16 down) */
     int64_t nqt, qchunk;                               /* P0's token chunks to quantize first (0: none), tokens in each */
     int8_t *tq, *tqmem;                                /* their bytes [T][H], then scales and zero terms [T][H / G] each; bf16
                                                           [T][H] (in h, which P1 writes only later, or in tqmem) */
@@ -350,8 +350,10 @@ static inline void prefetch_h_for_write(const float *h, int64_t n, int64_t I) {
 /* The same for h packed in P1 (fuse_h): the 1 KiB blocks of k-step ks of the expert's n tokens, KS k-steps apart */
 static inline void prefetch_pack_for_write(const uint16_t *pk, int64_t n, int64_t KS, int64_t ks) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    for (int64_t tt = 0; tt < (n + 15) / 16; tt++)
-        for (int l = 0; l < 16; l++) __asm__ volatile("prefetchw %0" ::"m"(*((const char *)(pk + (tt * KS + ks) * 512) + 64 * l)));
+    for (int64_t tt = 0; tt < (n + 15) / 16; tt++) {
+        const char *blk = (const char *)(pk + (tt * KS + ks) * 512);
+        for (int l = 0; l < 16; l++) __asm__ volatile("prefetchw %0" ::"m"(*(blk + 64 * l)));
+    }
 #else
     (void)pk; (void)n; (void)KS; (void)ks;
 #endif

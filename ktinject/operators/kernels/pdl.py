@@ -11,9 +11,10 @@ So, with `KTINJECT_INT4_PDL` "auto" (the default) or "all", the kernels that let
 (`note_releasing`): the K split's PDL binaries launched in those modes, and the Triton kernels that then call
 `gdc_launch_dependents` first thing (`rms_norm` and the MLA decode step's last kernel, each the kernel right
 before a projection in a decoder layer). `after_release(stream)` says whether the node the next captured kernel
-would hang on is one of them, and with "auto" the K split launches as that node's dependent. The answer comes from the CUDA graph being
-captured (`cuStreamGetCaptureInfo`), so it is exact, torch's own kernels included; outside a capture it is False
-(eager calls launch plainly). A wrong answer would cost time, never correctness: the dependent always waits.
+would hang on is one of them, and with "auto" the K split launches as that node's dependent. The answer comes from
+the CUDA graph being captured (`cuStreamGetCaptureInfo`), so it is exact, torch's own kernels included; outside a
+capture it is False (eager calls launch plainly). A wrong answer would cost time, never correctness: the dependent
+always waits.
 
 Written in the forty-second session as an opt-in mode ("chain"); measured in the forty-third on an H100 (after
 `rms_norm`: q_proj 3.79 -> 3.12 us, 2048 x 2048 3.16 -> 2.64, 4096 x 4096 6.13 -> 5.35; level after a torch kernel)
