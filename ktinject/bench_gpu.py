@@ -464,7 +464,8 @@ def int4_targets(rows: list[dict]) -> list[str]:
             line += f"; after a torch kernel {xo:.2f}x"
             x = min(x, xo)
         if r.get("ours_norm_us"):   # (shown, not judged: the judgement stays the lower of the two above)
-            line += f"; after our rms_norm {r['bf16_norm_us'] / (min(r['ours_norm_us'], tg) if tg else r['ours_norm_us']):.2f}x"
+            on = min(r["ours_norm_us"], tg) if tg else r["ours_norm_us"]
+            line += f"; after our rms_norm {r['bf16_norm_us'] / on:.2f}x"
         out.append(f"{line} (target {want:.0f}x: {'met' if x >= want else 'short'}; the lower of back to back and "
                    f"after a torch kernel)")
     return out
@@ -492,8 +493,8 @@ def to_markdown(res: dict) -> str:
             out += ["One row, us: back to back as the operator launches (`pdl`: the K split's programmatic-dependent-"
                     "launch mode, `KTINJECT_INT4_PDL`) and with no programmatic dependent launch; and in a layer's "
                     "order, each call after a torch kernel that writes its x, and after ktinject's `rms_norm` kernel "
-                    "(which lets a K split start early on sm_90+ unless `KTINJECT_INT4_PDL` is sum or off), that kernel's time "
-                    "taken off.", "",
+                    "(which lets a K split start early on sm_90+ unless `KTINJECT_INT4_PDL` is sum or off), that "
+                    "kernel's time taken off.", "",
                     "| shape | bf16 | ours | pdl | x bf16 | ours, no PDL | bf16 after a kernel | ours after a "
                     "kernel | x bf16 | bf16 after rms_norm | ours after rms_norm | x bf16 |",
                     "|---|---|---|---|---|---|---|---|---|---|---|---|"]

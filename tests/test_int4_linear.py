@@ -706,8 +706,9 @@ def test_capture_tail_functions_through_the_driver_prototypes(v3):
                                                   (1024, 3, 32, 2)])
 def test_gpu_ksplit_pdl_chain_in_a_cuda_graph(n, rows, group, kblocks):
     """Programmatic dependent launch: a chain of K-split GEMVs, each reading the one before's output (a torch kernel
-    between some), captured with `pdl` "sum", "auto" and "all" and replayed, and run eagerly so, gives the bits of the chain
-    run with "off" (a GEMV or sum that read its input before the kernel before it had finished would not)."""
+    between some), captured with `pdl` "sum", "auto" and "all" and replayed, and run eagerly so, gives the bits of
+    the chain run with "off" (a GEMV or sum that read its input before the kernel before it had finished would
+    not)."""
     from ktinject.operators.kernels import int4_cuda
     if not int4_cuda.pdl_supported(0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
@@ -761,6 +762,9 @@ def test_pdl_registry_off_the_gpu(monkeypatch):
         if not wanted:
             assert not pdl.triton_release(torch.device("cuda", 0))
         assert not pdl.triton_release(torch.device("cpu"))
+    monkeypatch.setenv("KTINJECT_INT4_PDL", "chain")     # (a bad value is refused by the norms too, by name)
+    with pytest.raises(ValueError, match="KTINJECT_INT4_PDL='chain': it takes one of"):
+        pdl.releases_wanted()
     monkeypatch.delenv("KTINJECT_INT4_PDL")
     assert pdl.releases_wanted()                          # (the default, "auto")
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pdl import after_release, note_releasing
+from .pdl import PDL_MODES, after_release, env_mode, note_releasing
 
 _PRELUDE = r"""
 typedef unsigned short u16;
@@ -1296,9 +1296,6 @@ def pdl_launch(kern, grid: tuple, block: tuple, smem: int, stream, args: list) -
     driver().launch_programmatic(kern.func, grid, block, smem, stream.cuda_stream, arr)
 
 
-PDL_MODES = ("off", "sum", "auto", "all")
-
-
 def pdl_mode(idx: int, mode: str | None = None) -> str:
     """The programmatic-dependent-launch mode the K split runs with on GPU `idx`: `mode`, or None for
     `KTINJECT_INT4_PDL` (read at each call; default "auto"): "sum" launches the parts' sum kernel (K over blocks)
@@ -1309,12 +1306,8 @@ def pdl_mode(idx: int, mode: str | None = None) -> str:
     the forty-third session: q_proj 3.79 -> 3.12 us after the norm); "all" every K split so (faster behind one of
     ours, slower by 0.1-0.2 us behind a kernel that does not release it early); "off" none. "off" wherever the
     GPU or driver cannot (`pdl_unavailable_reason`). Measured: docs/gpu.md "Programmatic dependent launch"."""
-    import os
     if mode is None:
-        mode = os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() or "auto"
-        mode = "off" if mode == "0" else mode
-        if mode not in PDL_MODES:
-            raise ValueError(f"KTINJECT_INT4_PDL={os.environ['KTINJECT_INT4_PDL']!r}: it takes one of {PDL_MODES}")
+        mode = env_mode()
     elif mode not in PDL_MODES:
         raise ValueError(f"pdl must be one of {PDL_MODES}, got {mode!r}")
     return mode if mode == "off" or pdl_supported(idx) else "off"

@@ -29,6 +29,7 @@ import threading
 
 import torch
 
+PDL_MODES = ("off", "sum", "auto", "all")       # `KTINJECT_INT4_PDL` (int4_cuda.pdl_mode says what each does)
 _lock = threading.Lock()
 _releasing: set[int] = set()           # CUfunction handles of kernels that release their dependents early
 
@@ -66,10 +67,21 @@ def after_release(stream: torch.cuda.Stream) -> bool:
     return bool(tail) and len(tail) == 1 and is_releasing(tail[0])
 
 
+def env_mode() -> str:
+    """`KTINJECT_INT4_PDL` as one of `PDL_MODES` (unset or empty: "auto"; "0": "off"), read at each call; any other
+    value is refused by name, wherever it is read first (a K split's launch or one of our releasing kernels)."""
+    raw = os.environ.get("KTINJECT_INT4_PDL", "auto")
+    mode = raw.strip().lower() or "auto"
+    mode = "off" if mode == "0" else mode
+    if mode not in PDL_MODES:
+        raise ValueError(f"KTINJECT_INT4_PDL={raw!r}: it takes one of {PDL_MODES}")
+    return mode
+
+
 def releases_wanted() -> bool:
-    """`KTINJECT_INT4_PDL` "auto" (the default, unset or empty) or "all": our Triton kernels before projections
-    release their dependents early ("sum", "off" and "0" ask none)."""
-    return (os.environ.get("KTINJECT_INT4_PDL", "auto").strip().lower() or "auto") in ("auto", "all")
+    """`KTINJECT_INT4_PDL` "auto" (the default) or "all": our Triton kernels before projections release their
+    dependents early ("sum" and "off" ask none)."""
+    return env_mode() in ("auto", "all")
 
 
 @functools.lru_cache(maxsize=1)
