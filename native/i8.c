@@ -372,21 +372,19 @@ void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, i
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const int64_t *idx, int64_t nt, int64_t K, int64_t G,
                        int8_t *pk, float *ts) {
-    static const uint32_t zeros[16];
     const int64_t KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
+    const int nt_store = ktk_pack_nt() && ((uintptr_t)pk & 63) == 0;
     for (int64_t tt = 0; tt < ntt; tt++) {
-        const int8_t *base[16];   /* tokens past nt: a row of zeros */
-        const uint32_t *row[16];
+        const uint32_t *base[16];   /* tokens past nt: a row of zeros */
         for (int t = 0; t < 16; t++) {
             const int64_t j = tt * 16 + t;
-            base[t] = j < nt ? q + idx[j] * K : NULL;
+            base[t] = j < nt ? (const uint32_t *)(q + idx[j] * K) : NULL;
             for (int64_t g = 0; g < NG; g++) ts[(tt * NG + g) * 16 + t] = j < nt ? qs[idx[j] * NG + g] : 0.f;
         }
-        for (int64_t ks = 0; ks < KS; ks++) {
-            for (int t = 0; t < 16; t++) row[t] = base[t] ? (const uint32_t *)(base[t] + ks * 64) : zeros;
-            ktk_tile_from_rows(row, (uint32_t *)(pk + (tt * KS + ks) * 1024));   /* [quad p][token t], as pack_tile_512 */
-        }
+        for (int64_t ks = 0; ks < KS; ks++)   /* [quad p][token t], as pack_tile_512 */
+            ktk_tile_from_rows_512(base, ks * 16, (uint32_t *)(pk + (tt * KS + ks) * 1024), nt_store);
     }
+    if (nt_store) _mm_sfence();   /* the streamed blocks visible before the pool counts this item done */
 }
 
 int ktk_amx_pack_once_usable(void) { return (int)(ktk_cpu_features() >> KTK_ISA_AVX512 & 1); }

@@ -238,6 +238,9 @@ void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, i
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const int64_t *idx, int64_t nt, int64_t K, int64_t G,
                        int8_t *pk, float *ts);
 int ktk_amx_pack_once_usable(void);
+/* $KTINJECT_PACK_NT=1 (read once): with AVX-512, the packs from once-converted / once-quantized tokens
+ * (ktk_amx_pack_b, ktk_amx_pack_q_i8) write their blocks with non-temporal stores (A/B) */
+int ktk_pack_nt(void);
 /* ktk_amx_pack_x in two steps: rows of X (ldx floats apart) to bf16 once, y[t * K + k]; then the tokens idx[0 .. nt)
  * of those rows packed as ktk_amx_pack_x packs them (the same bits) */
 void ktk_amx_rows_to_bf16(const float *X, int64_t ldx, int64_t nt, int64_t K, uint16_t *y);
@@ -279,8 +282,10 @@ extern int ktk_spin_pause;
 #if defined(KTK_LAYER_TRACE)
 #define KTK_LAYER_TRACE_T 64
 /* cycles per worker: [0] gate/up rows to bf16, [1] their tile GEMMs, [2] SiLU and h stores, [3] down rows
- * to bf16, [4] their GEMMs, [5] the weighted sums into out, [6] packing tokens, [7] packing h */
-extern uint64_t ktk_layer_tr[KTK_LAYER_TRACE_T][8];
+ * to bf16, [4] their GEMMs, [5] the weighted sums into out, [6] packing tokens, [7] packing h, [8] P0's
+ * chunks of tokens quantized (or converted) once, [9] the packs' wait for the last of those chunks */
+#define KTK_LAYER_TRACE_PARTS 10
+extern uint64_t ktk_layer_tr[KTK_LAYER_TRACE_T][KTK_LAYER_TRACE_PARTS];
 #endif
 static inline void ktk_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

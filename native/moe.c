@@ -39,7 +39,7 @@
 
 #if defined(KTK_LAYER_TRACE)   /* scripts/amx_parts.c "layer" only: TSC cycles per thread and part (ktk_int.h) */
 #include <x86intrin.h>
-uint64_t ktk_layer_tr[KTK_LAYER_TRACE_T][8];
+uint64_t ktk_layer_tr[KTK_LAYER_TRACE_T][KTK_LAYER_TRACE_PARTS];
 #define TR_START() uint64_t tr_t0 = __rdtsc()
 #define TR_ADD(tid, part) do { uint64_t tr_t1 = __rdtsc(); ktk_layer_tr[tid][part] += tr_t1 - tr_t0; tr_t0 = tr_t1; } while (0)
 #else
@@ -647,6 +647,7 @@ static void pack_x(ktk_moe *m, int64_t e, int tid) {
          * on an oversubscribed pool its worker may need this core) */
         for (long spin = 1; __atomic_load_n(&m->tq_done, __ATOMIC_ACQUIRE) < m->nqt; spin++)
             if (spin & 0xff) ktk_relax(); else sched_yield();
+        TR_ADD(tid, 9);
     }
     if (m->i8_gu && m->nqt) {
         const float *qs = (const float *)(m->tq + m->T * H);
@@ -667,6 +668,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
     switch (phase) {
     case 0:
         if (item < m->nqt) {   /* a chunk of tokens quantized (or converted) for the packs below, which wait for them all */
+            TR_START();
             const int64_t t0 = item * m->qchunk, n = m->T - t0 < m->qchunk ? m->T - t0 : m->qchunk;
             if (m->i8_gu) {
                 const int64_t NG = H / m->i8_g_gu;
@@ -675,6 +677,7 @@ static void moe_item(void *ctx, int phase, int64_t item, int tid) {
             } else {
                 ktk_amx_rows_to_bf16(m->x + t0 * H, H, n, H, (uint16_t *)m->tq + t0 * H);
             }
+            TR_ADD(tid, 8);
             __atomic_fetch_add(&m->tq_done, 1, __ATOMIC_RELEASE);
             break;
         }

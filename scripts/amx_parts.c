@@ -402,8 +402,9 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
     double c0 = now(); uint64_t s0 = __rdtsc();
     while (now() - c0 < 0.2) { }
     const double ghz = (double)(__rdtsc() - s0) / (now() - c0) * 1e-9;
-    static const char *names[8] = {"gate/up rows->bf16", "gate/up tile GEMM", "SiLU + h stores", "down rows->bf16",
-                                   "down tile GEMM", "down weighted sums", "pack tokens", "pack h"};
+    static const char *names[KTK_LAYER_TRACE_PARTS] = {"gate/up rows->bf16", "gate/up tile GEMM", "SiLU + h stores", "down rows->bf16",
+                                   "down tile GEMM", "down weighted sums", "pack tokens", "pack h", "tokens once (P0)",
+                                   "wait for P0 chunks"};
     for (int balanced = 0; balanced < 2; balanced++) {
         uint64_t r = 88172645463325252ull;
         for (int64_t t = 0; t < T; t++)
@@ -428,7 +429,7 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
         int n = ktk_pool_threads(pool);
         printf("layer %s routing, %s, %d threads: %.2f ms per call (TSC %.2f GHz)\n", balanced ? "balanced" : "random",
                bits == 4 ? "I4 copies" : bits == 8 ? "I8 copies" : "bf16 tiles", n, wall, ghz);
-        for (int p = 0; p < 8; p++) {
+        for (int p = 0; p < KTK_LAYER_TRACE_PARTS; p++) {
             double sum = 0, mx = 0;
             for (int t = 0; t < n && t < KTK_LAYER_TRACE_T; t++) {
                 double v = ktk_layer_tr[t][p] / ghz * 1e-6 / CALLS;

@@ -49,6 +49,7 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_DOWN_CHUNKS": ("int", 1, 8),
     "KTINJECT_PACK_PREFETCH": ("switch",),
     "KTINJECT_PACK_ONCE": ("switch",),
+    "KTINJECT_PACK_NT": ("switch",),
     "KTINJECT_AMX_FUSE_H": ("switch",),
     "KTINJECT_LINEAR_GROUPED_MIN": ("int", 0, 1 << 30),
     "KTINJECT_PROBE_PATTERN": ("choice", "0", "1", "2"),
