@@ -238,8 +238,8 @@ void ktk_amx_quant_rows_i8(const float *X, int64_t ldx, int64_t nt, int64_t K, i
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const int64_t *idx, int64_t nt, int64_t K, int64_t G,
                        int8_t *pk, float *ts);
 int ktk_amx_pack_once_usable(void);
-/* $KTINJECT_PACK_NT=1 (read once): with AVX-512, the packs from once-converted / once-quantized tokens
- * (ktk_amx_pack_b, ktk_amx_pack_q_i8) write their blocks with non-temporal stores (A/B) */
+/* with AVX-512, the packs from once-converted / once-quantized tokens (ktk_amx_pack_b, ktk_amx_pack_q_i8) write
+ * their blocks with non-temporal stores; $KTINJECT_PACK_NT=0 (read once): cached stores (A/B) */
 int ktk_pack_nt(void);
 /* ktk_amx_pack_x in two steps: rows of X (ldx floats apart) to bf16 once, y[t * K + k]; then the tokens idx[0 .. nt)
  * of those rows packed as ktk_amx_pack_x packs them (the same bits) */
