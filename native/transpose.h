@@ -1,6 +1,6 @@
 /* 8 x 8 transpose of 32-bit lanes in AVX2 registers, shared by the AMX token packing (amx.c, i8.c) and the
- * AVX2 packed f32 path (quant_avx2.c); the 16 x 16 ones that build a token tile's 1 KiB B block (AVX2, AVX-512); and eight floats
- * to bf16, as ktk_f32_to_bf16 rounds them (quant_avx2.c's to_bf16, amx.c's h packing). */
+ * AVX2 packed f32 path (quant_avx2.c); the 16 x 16 ones that build a token tile's 1 KiB B block (AVX2, AVX-512);
+ * and eight floats to bf16, as ktk_f32_to_bf16 rounds them (quant_avx2.c's to_bf16, amx.c's h packing). */
 #ifndef KTK_TRANSPOSE_H
 #define KTK_TRANSPOSE_H
 #include <immintrin.h>

@@ -402,9 +402,9 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
     double c0 = now(); uint64_t s0 = __rdtsc();
     while (now() - c0 < 0.2) { }
     const double ghz = (double)(__rdtsc() - s0) / (now() - c0) * 1e-9;
-    static const char *names[KTK_LAYER_TRACE_PARTS] = {"gate/up rows->bf16", "gate/up tile GEMM", "SiLU + h stores", "down rows->bf16",
-                                   "down tile GEMM", "down weighted sums", "pack tokens", "pack h", "tokens once (P0)",
-                                   "wait for P0 chunks"};
+    static const char *names[KTK_LAYER_TRACE_PARTS] = {"gate/up rows->bf16", "gate/up tile GEMM", "SiLU + h stores",
+                                                       "down rows->bf16", "down tile GEMM", "down weighted sums",
+                                                       "pack tokens", "pack h", "tokens once (P0)", "wait for P0 chunks"};
     for (int balanced = 0; balanced < 2; balanced++) {
         uint64_t r = 88172645463325252ull;
         for (int64_t t = 0; t < T; t++)

@@ -54,7 +54,8 @@ def test_amx_tile_loop_emulated(tmp_path: Path, writers: bool):
     # the INT8 tile GEMM's token tiles in pairs, or an odd count starting with three, its passes over all of K one
     # after the other or group by group (KTINJECT_AMX_GROUP_MAJOR); the down phase's two halves of the experts in
     # one item or two (KTINJECT_DOWN_SPLIT), of one chunk or more (KTINJECT_DOWN_CHUNKS); the I8 tokens quantized once or
-    # in each expert's packing (KTINJECT_PACK_ONCE); with AVX-512, the packs written past the caches or through them (KTINJECT_PACK_NT)
+    # in each expert's packing (KTINJECT_PACK_ONCE); with AVX-512, the packs written past the caches or through them
+    # (KTINJECT_PACK_NT)
     for triple, major, split, once, pairs, nts in (("0", "0", "1", "0", "1", "0"), ("1", "1", "2", "1", "2", "1"),
                                                    ("0", "1", "", "", "4", "")):
         env = {**os.environ, "KTINJECT_AMX_TRIPLE": triple, "KTINJECT_AMX_GROUP_MAJOR": major, "KTINJECT_DOWN_SPLIT": split,
@@ -63,7 +64,8 @@ def test_amx_tile_loop_emulated(tmp_path: Path, writers: bool):
         lines = run.stdout.strip().splitlines()
         assert run.returncode == 0 and lines and lines[-1].startswith("OK"), (
             f"KTINJECT_AMX_TRIPLE={triple} KTINJECT_AMX_GROUP_MAJOR={major} KTINJECT_DOWN_SPLIT={split} "
-            f"KTINJECT_PACK_ONCE={once} KTINJECT_DOWN_CHUNKS={pairs} KTINJECT_PACK_NT={nts}\n" + run.stdout[-3000:] + run.stderr[-1000:])
+            f"KTINJECT_PACK_ONCE={once} KTINJECT_DOWN_CHUNKS={pairs} KTINJECT_PACK_NT={nts}\n"
+            + run.stdout[-3000:] + run.stderr[-1000:])
 
 
 @pytest.mark.slow
