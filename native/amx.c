@@ -71,7 +71,7 @@ int ktk_pack_nt(void) { return env_flag(&pack_nt_flag, "KTINJECT_PACK_NT", 1); }
 
 /* ktk_amx_pack_b on AVX-512 (ktk_tile_from_rows_512: one core of the development machine, a batch-512 V2-Lite
  * layer's packs with the destination cold, 1.9 -> 1.7 ms; written past the caches, the default, 0.8 ms; on the lent
- * Xeon the layer's first phase 18-170 us shorter that way in each of 8 pairs, $KTINJECT_PACK_NT=0 the cached stores) */
+ * Xeon the layer's first phase 18-288 us shorter that way in each of 8 pairs, $KTINJECT_PACK_NT=0 the cached stores) */
 __attribute__((target("avx512f")))
 static void pack_b_512(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t K, uint16_t *pk, int nt_store) {
     const int64_t KS = K / 32, ntt = (nt + 15) / 16;
