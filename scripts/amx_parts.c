@@ -24,6 +24,7 @@
  *                                the down phase reads them, and each pack used twice in a row)
  *   /tmp/amx_parts rowspf       (one core streaming BF16 rows in place through the tiles, the tile loads alone and
  *                                with the products, by software prefetch: none, T0 / T1 / T2 4-16 k-steps ahead)
+ *   /tmp/amx_parts shapes       (TDPBF16PS's cost by the A tile's rows and the B tile's columns)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads] [bf16|i8|i4|bf16w]   (one V2-Lite layer at batch 512 on AMX: each part's time
  *                                inside it; Q4_K / Q5_0 weights on bf16 tiles, I8 or I4 copies, or BF16 weights) */
@@ -851,6 +852,54 @@ static int rowspf(void) {
 }
 #endif
 
+#if defined(__x86_64__)
+/* "shapes": TDPBF16PS back to back (four independent C tiles, operands in tile registers) with A of M rows and B of N
+ * columns (K 32 bf16 values): its cost by tile shape. On the development machine's AMX it was 14 TSC cycles for every
+ * M and N in {1, 4, 8, 16}: a token tile padded from r tokens to 16 costs what a full one does, and so would a
+ * narrower tile. (Reconfigures the tiles; the layer's own shapes come back with its next amx_config.) */
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} shapes_cfg;
+
+__attribute__((target("amx-tile,amx-bf16"), noinline))
+static double shape_cycles(int M, int N, const uint8_t *A, const uint8_t *B) {
+    shapes_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) { c.rows[t] = (uint8_t)M; c.colsb[t] = (uint16_t)(N * 4); }   /* C: M x N floats */
+    for (int t = 4; t < 8; t += 2) {
+        c.rows[t] = (uint8_t)M; c.colsb[t] = 64;                                          /* A: M rows of 32 bf16 */
+        c.rows[t + 1] = 16; c.colsb[t + 1] = (uint16_t)(N * 4);                           /* B: 16 pairs x N */
+    }
+    __asm__ __volatile__("" : : "r"(&c) : "memory");   /* keep the shape stores (see amx.c's amx_config) */
+    _tile_loadconfig(&c);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, A, 64); _tile_loadd(5, B, 64); _tile_loadd(6, A, 64); _tile_loadd(7, B, 64);
+    const int n = 200000;
+    const uint64_t t0 = __rdtsc();
+    for (int i = 0; i < n; i++) {
+        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 6, 5); _tile_dpbf16ps(3, 6, 7);
+    }
+    const uint64_t t1 = __rdtsc();
+    _tile_release();
+    return (double)(t1 - t0) / (4.0 * n);
+}
+
+static int shapes(void) {
+    static uint8_t A[1024] __attribute__((aligned(64))), B[1024] __attribute__((aligned(64)));
+    for (int i = 0; i < 1024; i++) { A[i] = (uint8_t)(i * 7); B[i] = (uint8_t)(i * 3); }
+    static const int sz[] = {16, 8, 4, 1};
+    shape_cycles(16, 16, A, B);   /* warm-up: the first run after the tiles' first use reads slower */
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++)
+            printf("TDPBF16PS, A %2d rows, B %2d columns: %.2f TSC cycles each\n", sz[a], sz[b],
+                   shape_cycles(sz[a], sz[b], A, B));
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
     if (argc > 1 && !strcmp(argv[1], "pack1")) return pack1();
@@ -868,6 +917,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "tokens")) return tokens_probe();
 #if defined(__x86_64__)
     if (argc > 1 && !strcmp(argv[1], "rowspf")) return rowspf();
+    if (argc > 1 && !strcmp(argv[1], "shapes")) return shapes();
 #endif
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();
