@@ -92,6 +92,8 @@ void ktk_amx_pack_b(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t 
     static const uint32_t zeros[16];
     const int64_t KS = K / 32, ntt = (nt + 15) / 16;
     if (ktk_cpu_features() >> KTK_ISA_AVX512 & 1) {
+        /* (streaming stores need 64-byte aligned lines: the layer's packs are page-aligned; a caller's unaligned
+         * buffer gets the cached stores, the same bits) */
         pack_b_512(xb, idx, nt, K, pk, ktk_pack_nt() && ((uintptr_t)pk & 63) == 0);
         return;
     }

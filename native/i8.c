@@ -373,6 +373,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl")))
 void ktk_amx_pack_q_i8(const int8_t *q, const float *qs, const int64_t *idx, int64_t nt, int64_t K, int64_t G,
                        int8_t *pk, float *ts) {
     const int64_t KS = K / 64, NG = K / G, ntt = (nt + 15) / 16;
+    /* (an unaligned caller's buffer: cached stores, as in ktk_amx_pack_b) */
     const int nt_store = ktk_pack_nt() && ((uintptr_t)pk & 63) == 0;
     for (int64_t tt = 0; tt < ntt; tt++) {
         const uint32_t *base[16];   /* tokens past nt: a row of zeros */
