@@ -276,8 +276,7 @@ static inline void prefetch_next(const uint8_t *p, int64_t n, const uint8_t *end
  * k-step of the first pass, so that the conversion does not wait on memory. */
 KTK_AMX_TARGET
 static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64_t a_stride, int64_t K, int pf,
-                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc, const uint8_t *nx, int64_t nx_bytes,
-                            int64_t k0, int64_t k1, int acc) {
+                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc, const uint8_t *nx, int64_t nx_bytes) {
     if (!t_configured) amx_config();
     const int l2 = pf_l2();
     int64_t KS = K / 32, ntt = (nt + 15) / 16;
@@ -294,14 +293,8 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
     if (ntt >= 3 && ntt % 2 && triple_on()) {   /* three token tiles in one pass first, as in gemm_ix */
         const int64_t tt = 0;
         const uint16_t *b0 = pk, *b1 = pk + KS * 512, *b2 = pk + 2 * KS * 512;
-        if (acc) {
-            _tile_loadd(0, C, ldc * 4); _tile_loadd(1, C + 16, ldc * 4); _tile_loadd(2, C + 32, ldc * 4);
-            _tile_loadd(3, C + 16 * ldc, ldc * 4); _tile_loadd(4, C + 16 * ldc + 16, ldc * 4);
-            _tile_loadd(5, C + 16 * ldc + 32, ldc * 4);
-        } else {
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-        }
-        for (int64_t ks = k0; ks < k1; ks++) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+        for (int64_t ks = 0; ks < KS; ks++) {
             STEP_PREFETCH(ks);
             _tile_loadd(6, A + ks * a_ks, a_stride);
             _tile_loadd(7, b0 + ks * 512, 64); _tile_dpbf16ps(0, 6, 7);
@@ -319,12 +312,10 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
     for (int64_t tt = tt3; tt < ntt; tt += 2, pf = 0) {
         const uint16_t *b0 = pk + tt * KS * 512, *b1 = pk + (tt + 1) * KS * 512;
         float *c0 = C + tt * 16, *c1 = C + 16 * ldc + tt * 16;
-        if (acc) { _tile_loadd(0, c0, ldc * 4); _tile_loadd(1, c1, ldc * 4); }
-        else { _tile_zero(0); _tile_zero(1); }
+        _tile_zero(0); _tile_zero(1);
         if (tt + 1 < ntt) {
-            if (acc) { _tile_loadd(2, c0 + 16, ldc * 4); _tile_loadd(3, c1 + 16, ldc * 4); }
-            else { _tile_zero(2); _tile_zero(3); }
-            for (int64_t ks = k0; ks < k1; ks++) {
+            _tile_zero(2); _tile_zero(3);
+            for (int64_t ks = 0; ks < KS; ks++) {
                 STEP_PREFETCH(ks);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
@@ -338,7 +329,7 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
             _tile_stored(2, c0 + 16, ldc * 4);
             _tile_stored(3, c1 + 16, ldc * 4);
         } else {
-            for (int64_t ks = k0; ks < k1; ks++) {
+            for (int64_t ks = 0; ks < KS; ks++) {
                 STEP_PREFETCH(ks);
                 _tile_loadd(4, A + ks * a_ks, a_stride);
                 _tile_loadd(5, A + ks * a_ks + a_rt, a_stride);
@@ -356,26 +347,18 @@ static inline void amx_gemm(const uint16_t *A, int64_t a_ks, int64_t a_rt, int64
 
 KTK_AMX_TARGET
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc, NULL, 0, 0, K / 32, 0);
+    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc, NULL, 0);
 }
 
 KTK_AMX_TARGET
 void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc,
                        const uint8_t *next, int64_t next_bytes) {
-    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc, next, next_bytes, 0, K / 32, 0);
+    amx_gemm(Wt, 1024, 512, 64, K, 0, pk, nt, C, ldc, next, next_bytes);
 }
 
 KTK_AMX_TARGET
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, rows_pf(), pk, nt, C, ldc, NULL, 0, 0, K / 32, 0);
-}
-
-/* The same over the k-steps [k0, k1) only, adding to C (acc) or starting from zero: the products of each C tile in
- * the same order as one call over all of K, so the same bits. */
-KTK_AMX_TARGET
-void ktk_amx_gemm_rows_part(const uint8_t *rows, int64_t rb, int64_t K, int64_t k0, int64_t k1, int acc,
-                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, rows_pf(), pk, nt, C, ldc, NULL, 0, k0, k1, acc);
+    amx_gemm((const uint16_t *)rows, 32, 8 * rb, rb, K, rows_pf(), pk, nt, C, ldc, NULL, 0);
 }
 
 /* ---- The 8-bit tile GEMM (AMX-INT8) on a block of 32 rows of an I8 copy (i8.c) ----
@@ -801,10 +784,6 @@ void ktk_amx_gemm_i8(const int8_t *A, const float *ws, int64_t K, int64_t G, con
 }
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)rows; (void)rb; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
-}
-void ktk_amx_gemm_rows_part(const uint8_t *rows, int64_t rb, int64_t K, int64_t k0, int64_t k1, int acc,
-                            const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
-    (void)rows; (void)rb; (void)K; (void)k0; (void)k1; (void)acc; (void)pk; (void)nt; (void)C; (void)ldc;
 }
 void ktk_amx_gemm_i4(const uint8_t *A, const float *ws, const uint8_t *wk, int64_t K, int64_t G, const int8_t *pk,
                      const float *ts, int64_t nt, float *C, int64_t ldc, int32_t *ci, uint8_t *a8, int pf, int overlap,

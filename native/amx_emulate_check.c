@@ -461,19 +461,6 @@ int main(void) {
                             printf("FAIL gemm_rows n %lld tokens %lld ldc %lld: not ktk_amx_gemm's bits\n", (long long)n,
                                    (long long)nt, (long long)ldc);
                         }
-                        /* the same in chunks of k-steps, C kept between them: the same bits again */
-                        for (int64_t kc = 1; kc <= 5; kc += 4) {
-                            for (int64_t i = 0; i < 32 * ldc; i++) C2[i] = NAN;
-                            for (int64_t k0 = 0; k0 < n / 32; k0 += kc)
-                                ktk_amx_gemm_rows_part(rows, rb, n, k0, k0 + kc < n / 32 ? k0 + kc : n / 32, k0 > 0, pk,
-                                                       nt, C2, ldc);
-                            cases++;
-                            if (memcmp(C, C2, (size_t)(32 * ldc) * 4)) {
-                                fails++;
-                                printf("FAIL gemm_rows_part n %lld tokens %lld ldc %lld chunks %lld: not ktk_amx_gemm's "
-                                       "bits\n", (long long)n, (long long)nt, (long long)ldc, (long long)kc);
-                            }
-                        }
                     }
                 }
             }

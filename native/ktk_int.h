@@ -206,9 +206,6 @@ void ktk_amx_gemm_next(const uint16_t *Wt, int64_t K, const uint16_t *packed, in
                        const uint8_t *next, int64_t next_bytes);
 /* The same with the 32 rows' A tiles loaded in place from BF16 weight rows rb bytes apart (no conversion) */
 void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_t *packed, int64_t nt, float *C, int64_t ldc);
-/* The same over the k-steps [k0, k1) (of 32 values), adding to C (acc) or from zero: the same bits as one call */
-void ktk_amx_gemm_rows_part(const uint8_t *rows, int64_t rb, int64_t K, int64_t k0, int64_t k1, int acc,
-                            const uint16_t *packed, int64_t nt, float *C, int64_t ldc);
 /* nrows GGML rows (rb bytes apart, n values each, n % 32 == 0) to bf16, tile-major: the 32
  * values of k-step ks of row r at dst[(ks * nrows + r) * 32], so each 16-row A tile of a k-step
  * is 1 KiB of contiguous memory; tmp: n floats of scratch. Q4_K, Q4_0, Q5_0, Q8_0, BF16 and F32

@@ -82,7 +82,6 @@ struct ktk_moe {
     int down_acc;                                      /* grouped down sums in a compact block first (phase_down) */
     int down_split;                                    /* $KTINJECT_DOWN_SPLIT: 0 by the thread count, 1 never, 2 always */
     int down_chunks;                                   /* $KTINJECT_DOWN_CHUNKS: 32-row chunks a halves' item (1-8) */
-    int kchunk;                                        /* $KTINJECT_AMX_KCHUNK: k-steps a chunk of the BF16 gate/up */
     int64_t dch, nbig;                                 /* chunks of the first nbig halves' items (the rest: one each) */
     int halves;                                        /* down: grouped experts only, summed as two halves (phase_down) */
     int64_t dsplit, amid;                              /* down items per chunk (1, 2: one per half); act[] index of half 1 */
@@ -193,9 +192,6 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         s = getenv("KTINJECT_DOWN_CHUNKS");   /* n: each expert's packed h used for n chunks' GEMMs in a row (A/B) */
         m->down_chunks = s && *s ? atoi(s) : 1;
         if (m->down_chunks < 1 || m->down_chunks > 8) m->down_chunks = 1;
-        s = getenv("KTINJECT_AMX_KCHUNK");   /* n: BF16 gate and up over K in chunks of n k-steps (0: all of K; A/B) */
-        m->kchunk = s && *s ? atoi(s) : 0;
-        if (m->kchunk < 0 || m->kchunk > 64) m->kchunk = 0;
         s = getenv("KTINJECT_PACK_ONCE");   /* 0: each expert's AMX packing quantizes / converts its tokens itself (A/B) */
         m->pack_once = !(s && s[0] == '0');
         s = getenv("KTINJECT_AMX_FUSE_H");   /* 0: P1 writes h in f32 rows and P2 packs them for a bf16 down (A/B) */
@@ -381,19 +377,6 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             grouped_i8(m, &s, d->gate_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c0);
             grouped_i8(m, &s, d->up_i8 + e * m->i8_es_gu, I, H, m->i8_g_gu, r0, pk, ts, n, s.c1);
             TR_ADD(tid, 1);
-        } else if (m->amx && m->kchunk && m->bf16_in_place && d->gate_type == KTK_BF16 && d->up_type == KTK_BF16) {
-            /* BF16 gate and up read in place, K in chunks: a chunk's token tiles, loaded from L2 by the gate's
-             * GEMM, are in L1 for the up's; the C tiles wait in C between chunks (the same bits) */
-            const uint16_t *pk = m->xpk + m->pk_off[e] * H;
-            const int64_t KS = H / 32, kc = m->kchunk, ldc = (n + 15) / 16 * 16;
-            TR_START();
-            for (int64_t k0 = 0; k0 < KS; k0 += kc) {
-                const int64_t k1 = k0 + kc < KS ? k0 + kc : KS;
-                ktk_amx_gemm_rows_part(g, d->gate_rb, H, k0, k1, k0 > 0, pk, n, s.c0, ldc);
-                ktk_amx_gemm_rows_part(u, d->up_rb, H, k0, k1, k0 > 0, pk, n, s.c1, ldc);
-            }
-            TR_ADD(tid, 1);
-            s.ct = 1; s.cr = ldc;
         } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
             grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
@@ -533,29 +516,6 @@ static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int
     TR_ADD(tid, 5);
 }
 
-/* down_grouped for two chunks at once (r0 and r0 + RC) of an expert with BF16 down rows read in place, K in chunks of
- * m->kchunk k-steps, the two blocks' GEMMs in turn, so the chunk's tiles of packed h are in L1 for the second; the
- * blocks' C wait in c0 and c1 between chunks (the same bits as down_grouped for each) */
-static void down_grouped_pair(ktk_moe *m, scratch_t *s, int64_t a, int64_t r0, float *o0, float *o1, int64_t o_ld,
-                              int tid) {
-    const ktk_moe_desc *d = &m->d;
-    const int64_t I = d->inter, e = m->act[a], n = m->cnt[e], base = m->off[e];
-    const int64_t KS = I / 32, kc = m->kchunk, ldc = (n + 15) / 16 * 16;
-    const uint8_t *rows = d->down + e * d->down_es + r0 * d->down_rb, *rows1 = rows + RC * d->down_rb;
-    const uint16_t *pk = m->hpk + m->pk_off[e] * I;
-    TR_START();
-    for (int64_t k0 = 0; k0 < KS; k0 += kc) {
-        const int64_t k1 = k0 + kc < KS ? k0 + kc : KS;
-        ktk_amx_gemm_rows_part(rows, d->down_rb, I, k0, k1, k0 > 0, pk, n, s->c0, ldc);
-        ktk_amx_gemm_rows_part(rows1, d->down_rb, I, k0, k1, k0 > 0, pk, n, s->c1, ldc);
-    }
-    TR_ADD(tid, 4);
-    ktk_amx_c_to_rows(s->c0, ldc, RC, n, o0, m->tok + base, o_ld, m->wt + base);
-    ktk_amx_c_to_rows(s->c1, ldc, RC, n, o1, m->tok + base, o_ld, m->wt + base);
-    TR_ADD(tid, 5);
-    (void)tid;
-}
-
 /* A layer whose active experts are all grouped (prefill) sums each chunk of 32 output rows as two halves of
  * its experts (act[0, amid) and act[amid, nact), split by token tiles), each in its own compact [T][RC] block,
  * and writes out = half 0 + half 1. One worker does both halves (dsplit 1) or two workers one each (dsplit 2:
@@ -579,13 +539,9 @@ static void phase_down_halves(ktk_moe *m, int64_t item, int tid) {
             memset(acc[c - c_lo], 0, blk * sizeof(float));
         }
         const int64_t a_lo = h ? m->amid : 0, a_hi = h ? m->nact : m->amid;
-        const int pair = c_hi - c_lo == 2 && m->kchunk && m->amx && !m->i8_dn && m->bf16_in_place &&
-                         m->d.down_type == KTK_BF16;
         for (int64_t a = a_lo; a < a_hi; a++)
-            if (pair) down_grouped_pair(m, &s, a, c_lo * RC, acc[0], acc[1], RC, tid);
-            else
-                for (int64_t c = c_lo; c < c_hi; c++)
-                    down_grouped(m, &s, a, S == 2 ? a_hi : m->nact, c * RC, acc[c - c_lo], RC, tid);
+            for (int64_t c = c_lo; c < c_hi; c++)
+                down_grouped(m, &s, a, S == 2 ? a_hi : m->nact, c * RC, acc[c - c_lo], RC, tid);
     }
     if (S == 2) {   /* the halves' blocks are written before the count goes up (release), read after (acquire) */
         if (__atomic_fetch_add(&m->dcnt[q], 1, __ATOMIC_ACQ_REL) == 0) return;   /* the other half adds them */

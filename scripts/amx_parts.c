@@ -25,8 +25,6 @@
  *   /tmp/amx_parts rowspf       (one core streaming BF16 rows in place through the tiles, the tile loads alone and
  *                                with the products, by software prefetch: none, T0 / T1 / T2 4-16 k-steps ahead)
  *   /tmp/amx_parts shapes       (TDPBF16PS's cost by the A tile's rows and the B tile's columns)
- *   /tmp/amx_parts kchunk       (a gate/up item's two BF16 GEMMs over all of K, against K in chunks with the blocks'
- *                                C kept in memory between them, so the chunk's token tiles stay in L1)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads] [bf16|i8|i4|bf16w]   (one V2-Lite layer at batch 512 on AMX: each part's time
  *                                inside it; Q4_K / Q5_0 weights on bf16 tiles, I8 or I4 copies, or BF16 weights) */
@@ -902,65 +900,6 @@ static int shapes(void) {
 }
 #endif
 
-#if defined(__x86_64__)
-/* "kchunk": a gate/up item's two BF16 GEMMs (32 rows each, read in place, K 2048, the same packed tokens) as the layer
- * runs them, one ktk_amx_gemm_rows each, against the same over K in chunks of kc k-steps, the R blocks' C tiles kept in
- * C between chunks (ktk_amx_gemm_rows_part), so that a chunk's token tiles come from L1 for every block after the
- * first. Bits checked against the whole-K calls; us an item (two blocks), hot (one item's rows) and from memory, the
- * variants alternated over rounds (the tile unit's state moves). */
-static double kchunk_pass(const uint8_t *br, int64_t bb, int cold, int R, int kc, const uint16_t *pk, int64_t nt,
-                          float *C) {
-    const int64_t K = 2048, KS = K / 32, rb = K * 2, ldc = (nt + 15) / 16 * 16, cb = 32 * ldc;
-    const int64_t n = cold ? 2048 * 2 / R : 1000 * 2 / R;
-    double t0 = now();
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *g = br + (cold ? R * i : 0) * bb;
-        if (!kc)
-            for (int r = 0; r < R; r++) ktk_amx_gemm_rows(g + r * bb, rb, K, pk, nt, C + r * cb, ldc);
-        else
-            for (int64_t k0 = 0; k0 < KS; k0 += kc)
-                for (int r = 0; r < R; r++)
-                    ktk_amx_gemm_rows_part(g + r * bb, rb, K, k0, k0 + kc < KS ? k0 + kc : KS, k0 > 0, pk, nt, C + r * cb,
-                                           ldc);
-    }
-    return (now() - t0) / n * 1e6 * 2 / R;   /* us an item of two blocks */
-}
-
-static int kchunk(void) {
-    const int64_t K = 2048, KS = K / 32, rb = K * 2, bb = 32 * rb, NI = 2048;   /* 512 MiB of gate/up pairs */
-    uint8_t *br = aligned_alloc(4096, (size_t)(NI * 2 * bb));
-    uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(80, K) * 2);
-    float *C = aligned_alloc(64, 4 * 32 * 80 * 4), *Cr = aligned_alloc(64, 4 * 32 * 80 * 4);
-    if (!br || !pk || !C || !Cr) { fprintf(stderr, "kchunk: out of memory\n"); return 1; }
-    for (int64_t i = 0; i < NI * 2 * bb; i += 2) { br[i] = (uint8_t)((uint64_t)i * 2654435761u >> 11); br[i + 1] = 0x3f; }
-    const float *X[80];
-    float *x = tokens(80, K, X);
-    static const int nts[] = {48, 64, 40}, V[][2] = {{2, 0}, {2, 4}, {2, 8}, {2, 16}, {4, 8}};   /* (R, kc) */
-    for (int ni = 0; ni < 3; ni++) {
-        const int64_t nt = nts[ni], ldc = (nt + 15) / 16 * 16, cb = 32 * ldc;
-        ktk_amx_pack_x(X, nt, K, pk);
-        for (int r = 0; r < 4; r++) ktk_amx_gemm_rows(br + r * bb, rb, K, pk, nt, Cr + r * cb, ldc);
-        for (int v = 1; v < 5; v++) {
-            memset(C, 0, (size_t)(4 * cb * 4));
-            for (int64_t k0 = 0; k0 < KS; k0 += V[v][1])
-                for (int r = 0; r < V[v][0]; r++)
-                    ktk_amx_gemm_rows_part(br + r * bb, rb, K, k0, k0 + V[v][1] < KS ? k0 + V[v][1] : KS, k0 > 0, pk, nt,
-                                           C + r * cb, ldc);
-            if (memcmp(C, Cr, (size_t)(V[v][0] * cb * 4))) printf("BITS DIFFER: %d blocks, chunks of %d\n", V[v][0], V[v][1]);
-        }
-        for (int cold = 0; cold < 2; cold++)
-            for (int round = 0; round < 4; round++) {
-                printf("%2lld tokens, %s, round %d, us an item: ", (long long)nt, cold ? "from memory" : "hot", round + 1);
-                for (int v = 0; v < 5; v++)
-                    printf("%s%d x %d %.2f", v ? ", " : "", V[v][0], V[v][1], kchunk_pass(br, bb, cold, V[v][0], V[v][1], pk, nt, C));
-                printf("\n");
-            }
-    }
-    free(br); free(pk); free(C); free(Cr); free(x);
-    return 0;
-}
-#endif
-
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "pack")) return pack();
     if (argc > 1 && !strcmp(argv[1], "pack1")) return pack1();
@@ -979,7 +918,6 @@ int main(int argc, char **argv) {
 #if defined(__x86_64__)
     if (argc > 1 && !strcmp(argv[1], "rowspf")) return rowspf();
     if (argc > 1 && !strcmp(argv[1], "shapes")) return shapes();
-    if (argc > 1 && !strcmp(argv[1], "kchunk")) return kchunk();
 #endif
     if (argc > 1 && !strcmp(argv[1], "more")) return more();
     if (argc > 1 && !strcmp(argv[1], "flip")) return flip();

@@ -47,7 +47,6 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_DOWN_ACC": ("switch",),
     "KTINJECT_DOWN_SPLIT": ("choice", "1", "2"),
     "KTINJECT_DOWN_CHUNKS": ("int", 1, 8),
-    "KTINJECT_AMX_KCHUNK": ("int", 0, 64),
     "KTINJECT_PACK_PREFETCH": ("switch",),
     "KTINJECT_PACK_ONCE": ("switch",),
     "KTINJECT_PACK_NT": ("switch",),
