@@ -16,6 +16,8 @@
  *   /tmp/amx_parts i8           (the AMX-INT8 GEMM of I8 copies by K, group size and tokens, hot and
  *                                cold, beside the bf16 GEMM of the same block)
  *   /tmp/amx_parts conc [threads ...]  (the I4 GEMM on every thread at once, hot and from memory)
+ *   /tmp/amx_parts streams [threads ...]  (the BF16 GEMM from memory on every thread at once: rows in place against a
+ *                                tile-major copy, with and without the next block brought into L2)
  *   /tmp/amx_parts pack         (the INT8 token packing, tokens gathered from 64 MiB; no AMX needed)
  *   /tmp/amx_parts pack1        (a layer's gate/up token packing, per expert or the tokens quantized once; no AMX)
  *   /tmp/amx_parts sums         (a down item's weighted sums into the output rows or a compact block; no AMX)
@@ -611,6 +613,86 @@ static int conc(int argc, char **argv) {
     return 0;
 }
 
+/* "streams [threads ...]": the BF16 tile GEMM of 32 x 2048 blocks (48 tokens) from memory on n threads at once, one
+ * core each, every thread over its own 64 MiB of blocks: the rows read in place (ktk_amx_gemm_rows, the layer's BF16
+ * path), a tile-major copy (ktk_amx_gemm, each k-step's 2 KiB contiguous) with no software prefetch, and the same
+ * with the next block brought into L2 during each GEMM (ktk_amx_gemm_next). One core streams about 10 GB/s either
+ * way (benchmarks.md, twenty-ninth session); does the contiguous copy stream faster with 15 cores at once? */
+typedef struct {
+    int cpu, variant;
+    pthread_barrier_t *bar;
+    double us;
+} streams_arg;
+
+static void *streams_worker(void *p) {
+    streams_arg *a = p;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(a->cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    const int64_t K = 2048, nt = 48, ldc = 48, NB = 512, bb = 32 * K * 2;
+    uint8_t *W = aligned_alloc(4096, (size_t)(NB * bb));
+    uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
+    float *C = aligned_alloc(64, 32 * ldc * 4);
+    if (!W || !pk || !C) {   /* still meet the others at the barrier */
+        fprintf(stderr, "streams: thread %d could not allocate its buffers\n", a->cpu);
+        pthread_barrier_wait(a->bar);
+        a->us = -1;
+        free(W); free(pk); free(C);
+        return NULL;
+    }
+    for (int64_t i = 0; i < NB * bb; i += 2) { W[i] = (uint8_t)(i >> 7); W[i + 1] = 0x3f; }
+    for (int64_t i = 0; i < ktk_amx_pack_x_elems(nt, K); i++) pk[i] = 0x3f80;
+    ktk_amx_gemm((const uint16_t *)W, K, pk, nt, C, ldc);   /* configures this thread's tiles */
+    pthread_barrier_wait(a->bar);
+    const int reps = 4;
+    const double t0 = now();
+    for (int r = 0; r < reps; r++)
+        for (int64_t i = 0; i < NB; i++) {
+            const uint8_t *b = W + i * bb;
+            if (a->variant == 0) ktk_amx_gemm_rows(b, K * 2, K, pk, nt, C, ldc);
+            else if (a->variant == 1) ktk_amx_gemm((const uint16_t *)b, K, pk, nt, C, ldc);
+            else ktk_amx_gemm_next((const uint16_t *)b, K, pk, nt, C, ldc, b + bb, i + 1 < NB ? bb : 0);
+        }
+    a->us = (now() - t0) / (reps * NB) * 1e6;
+    free(W); free(pk); free(C);
+    return NULL;
+}
+
+static int streams(int argc, char **argv) {
+    int counts[16], nc = 0;
+    for (int i = 2; i < argc && nc < 16; i++) counts[nc++] = atoi(argv[i]);
+    if (!nc) { counts[0] = 1; counts[1] = 8; counts[2] = 15; nc = 3; }
+    static const char *names[3] = {"rows in place", "tile-major", "tile-major, next block into L2"};
+    for (int round = 0; round < 2; round++)
+        for (int ci = 0; ci < nc; ci++)
+            for (int v = 0; v < 3; v++) {
+                const int n = counts[ci];
+                if (n < 1 || n > 256) continue;
+                pthread_t th[256];
+                streams_arg args[256];
+                pthread_barrier_t bar;
+                pthread_barrier_init(&bar, NULL, (unsigned)n);
+                for (int t = 0; t < n; t++) {
+                    args[t] = (streams_arg){.cpu = t, .variant = v, .bar = &bar};
+                    if (pthread_create(&th[t], NULL, streams_worker, &args[t])) {
+                        fprintf(stderr, "streams: could not start thread %d of %d\n", t, n);
+                        exit(1);
+                    }
+                }
+                double us[256];
+                int failed = 0;
+                for (int t = 0; t < n; t++) { pthread_join(th[t], NULL); us[t] = args[t].us; failed |= us[t] < 0; }
+                pthread_barrier_destroy(&bar);
+                if (failed) { fprintf(stderr, "streams: %d threads: a thread could not allocate\n", n); return 1; }
+                qsort(us, (size_t)n, sizeof us[0], cmp_double);
+                printf("round %d, %2d threads, %-31s %.2f us a block (median; %.2f-%.2f), %.1f GB/s together\n",
+                       round + 1, n, names[v], us[n / 2], us[0], us[n - 1], n * 131072.0 / us[n / 2] * 1e-3);
+                fflush(stdout);
+            }
+    return 0;
+}
+
 /* pack: the INT8 token packing of 48 tokens (K 2048, G 256; K 1408, G 704) gathered at random from 64 MiB of
  * tokens, as a batch-512 layer's experts take theirs (no AMX needed; run it with KTINJECT_PACK_PREFETCH=0 and 1) */
 static int pack(void) {
@@ -913,6 +995,7 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();
     if (argc > 1 && !strcmp(argv[1], "conc")) return conc(argc, argv);
+    if (argc > 1 && !strcmp(argv[1], "streams")) return streams(argc, argv);
     if (argc > 1 && !strcmp(argv[1], "stream")) return stream();
     if (argc > 1 && !strcmp(argv[1], "tokens")) return tokens_probe();
 #if defined(__x86_64__)
