@@ -614,12 +614,13 @@ static int conc(int argc, char **argv) {
 }
 
 /* "streams [threads ...]": the BF16 tile GEMM of 32 x 2048 blocks (48 tokens) from memory on n threads at once, one
- * core each, every thread over its own 64 MiB of blocks: the rows read in place (ktk_amx_gemm_rows, the layer's BF16
- * path), a tile-major copy (ktk_amx_gemm, each k-step's 2 KiB contiguous) with no software prefetch, and the same
- * with the next block brought into L2 during each GEMM (ktk_amx_gemm_next). One core streams about 10 GB/s either
+ * core each, every thread over its own blocks (64 MiB or more, 1 GiB or more together): the rows read in place
+ * (ktk_amx_gemm_rows, the layer's BF16 path), a tile-major copy (ktk_amx_gemm, each k-step's 2 KiB contiguous) with
+ * no software prefetch, and the same with the next block brought into L2 during each GEMM (ktk_amx_gemm_next). One core streams about 10 GB/s either
  * way (benchmarks.md, twenty-ninth session); does the contiguous copy stream faster with 15 cores at once? */
 typedef struct {
     int cpu, variant;
+    int64_t nb;   /* blocks of this thread: the threads' sets together >= 1 GiB, far past L3 */
     pthread_barrier_t *bar;
     double us;
 } streams_arg;
@@ -630,7 +631,7 @@ static void *streams_worker(void *p) {
     CPU_ZERO(&set);
     CPU_SET(a->cpu, &set);
     pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-    const int64_t K = 2048, nt = 48, ldc = 48, NB = 512, bb = 32 * K * 2;
+    const int64_t K = 2048, nt = 48, ldc = 48, NB = a->nb, bb = 32 * K * 2;
     uint8_t *W = aligned_alloc(4096, (size_t)(NB * bb));
     uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
     float *C = aligned_alloc(64, 32 * ldc * 4);
@@ -674,7 +675,7 @@ static int streams(int argc, char **argv) {
                 pthread_barrier_t bar;
                 pthread_barrier_init(&bar, NULL, (unsigned)n);
                 for (int t = 0; t < n; t++) {
-                    args[t] = (streams_arg){.cpu = t, .variant = v, .bar = &bar};
+                    args[t] = (streams_arg){.cpu = t, .variant = v, .nb = n >= 16 ? 512 : 8192 / n, .bar = &bar};
                     if (pthread_create(&th[t], NULL, streams_worker, &args[t])) {
                         fprintf(stderr, "streams: could not start thread %d of %d\n", t, n);
                         exit(1);
