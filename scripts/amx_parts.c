@@ -30,7 +30,7 @@
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
  *   /tmp/amx_parts layer [threads] [bf16|i8|i4|bf16w]   (one V2-Lite layer at batch 512 on AMX: each part's time
  *                                inside it; Q4_K / Q5_0 weights on bf16 tiles, I8 or I4 copies, or BF16 weights) */
-#define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc") */
+#define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc", "streams") */
 #include "ktk_int.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -535,12 +535,17 @@ typedef struct {
     double us;
 } conc_arg;
 
-static void *conc_worker(void *p) {
-    conc_arg *a = p;
+/* the calling thread onto one CPU ("conc", "streams") */
+static void pin_self(int cpu) {
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(a->cpu, &set);
+    CPU_SET(cpu, &set);
     pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+static void *conc_worker(void *p) {
+    conc_arg *a = p;
+    pin_self(a->cpu);
     const int64_t K = 2048, G = 1024, KS = K / 64, NG = K / G, nt = 48, ntt = 3, ldc = 48;
     const int64_t nb = a->cold ? 2048 : 1, bb = 16 * K;          /* blocks in the set, nibble bytes a block */
     uint8_t *A = aligned_alloc(64, (size_t)(bb * nb)), *wk = aligned_alloc(64, (size_t)(32 * KS * nb));
@@ -616,8 +621,9 @@ static int conc(int argc, char **argv) {
 /* "streams [threads ...]": the BF16 tile GEMM of 32 x 2048 blocks (48 tokens) from memory on n threads at once, one
  * core each, every thread over its own blocks (64 MiB or more, 1 GiB or more together): the rows read in place
  * (ktk_amx_gemm_rows, the layer's BF16 path), a tile-major copy (ktk_amx_gemm, each k-step's 2 KiB contiguous) with
- * no software prefetch, and the same with the next block brought into L2 during each GEMM (ktk_amx_gemm_next). One core streams about 10 GB/s either
- * way (benchmarks.md, twenty-ninth session); does the contiguous copy stream faster with 15 cores at once? */
+ * no software prefetch, and the same with the next block brought into L2 during each GEMM (ktk_amx_gemm_next). One
+ * core streams about 10 GB/s either way (benchmarks.md, twenty-ninth session); does the contiguous copy stream faster
+ * with 15 cores at once? */
 typedef struct {
     int cpu, variant;
     int64_t nb;   /* blocks of this thread: the threads' sets together >= 1 GiB, far past L3 */
@@ -627,10 +633,7 @@ typedef struct {
 
 static void *streams_worker(void *p) {
     streams_arg *a = p;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(a->cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    pin_self(a->cpu);
     const int64_t K = 2048, nt = 48, ldc = 48, NB = a->nb, bb = 32 * K * 2;
     uint8_t *W = aligned_alloc(4096, (size_t)(NB * bb));
     uint16_t *pk = aligned_alloc(64, ktk_amx_pack_x_elems(nt, K) * 2);
