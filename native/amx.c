@@ -11,6 +11,7 @@
  * L1-sized chunks, C accumulating in memory between them, measured slower: 29.4 vs 24.9 ms per
  * V2-Lite Q4_K layer at batch 512; converting the rows chunk by chunk as well, each chunk
  * multiplied while in L1, was not faster than this either.)
+ * ktk_bt_repack: that layout made once at load from BF16 rows (desc gate_bt / up_bt / down_bt).
  * ktk_amx_silu_mul: the gate/up epilogue on the row-major C blocks; ktk_amx_c_to_rows: those blocks
  * back to token rows (h, or weighted into the layer's output). */
 #include "ktk_int.h"
@@ -105,6 +106,37 @@ void ktk_amx_pack_b(const uint16_t *xb, const int64_t *idx, int64_t nt, int64_t 
             ktk_tile_from_rows(row, (uint32_t *)pk + (tt * KS + ks) * 256);   /* [pair p][token t], as ktk_amx_pack_x */
         }
     }
+}
+
+/* ---- BF16 tile copies (ktk.h): ktk_amx_rows_bf16's layout for a BF16 block, made once at load. A pool item copies
+ * one block of 32 rows: each row's 64-byte k-steps to their places, the destination written in order. */
+int64_t ktk_bt_expert_bytes(int64_t rows, int64_t n) {
+    return rows > 0 && n > 0 && rows % 32 == 0 && n % 32 == 0 && rows <= INT64_MAX / 2 / n ? rows * n * 2 : -1;
+}
+
+typedef struct { const uint8_t *src; int64_t src_rb, src_es, rows, n; uint8_t *dst; } bt_ctx;
+
+static void bt_item(void *ctx, int phase, int64_t item, int tid) {
+    (void)phase; (void)tid;
+    const bt_ctx *c = ctx;
+    const int64_t nb = c->rows / 32, e = item / nb, b = item % nb, KS = c->n / 32;
+    const uint8_t *src = c->src + e * c->src_es + b * 32 * c->src_rb;
+    uint8_t *dst = c->dst + (e * c->rows + b * 32) * c->n * 2;
+    for (int64_t ks = 0; ks < KS; ks++)
+        for (int r = 0; r < 32; r++) memcpy(dst + (ks * 32 + r) * 64, src + r * c->src_rb + ks * 64, 64);
+}
+
+int ktk_bt_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                  int64_t rows, int64_t n, uint8_t *dst) {
+    const int64_t es = ktk_bt_expert_bytes(rows, n);
+    if (!src || !dst || type != KTK_BF16 || es < 0 || n_experts < 1 || n_experts > INT64_MAX / es ||
+        src_rb != ktk_row_bytes(KTK_BF16, n) || src_es < rows * src_rb)
+        return KTK_EINVAL;
+    bt_ctx c = {src, src_rb, src_es, rows, n, dst};
+    int64_t items = n_experts * (rows / 32);
+    if (p && ktk_pool_run_async(p, bt_item, &c, 1, &items) == KTK_OK) return ktk_pool_wait(p);
+    for (int64_t i = 0; i < items; i++) bt_item(&c, 0, i, 0);
+    return KTK_OK;
 }
 
 /* The row-major C blocks of the tile GEMM back to token rows, 8 x 8 blocks transposed in registers

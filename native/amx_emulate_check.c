@@ -294,6 +294,45 @@ static int check_moe(void) {
             ktk_i4_repack(pool, dt, dn, rbi, H * rbi, E, H, I, dg, di4)) { fails++; printf("FAIL i4_repack for the layer\n"); }
         ktk_moe *m4 = ktk_moe_new(&d4, &err);
         if (!m4) { fails++; printf("FAIL moe_new (I4) %d\n", err); }
+        /* BF16: and with tile copies of gate, up and down (ktk_bt_repack), each block ktk_amx_rows_bf16's own */
+        ktk_moe *mb = NULL;
+        uint8_t *gb = NULL, *ub = NULL, *db = NULL;
+        if (gt == KTK_BF16) {
+            gb = aligned_alloc(64, (size_t)(E * ktk_bt_expert_bytes(I, H))); ub = aligned_alloc(64, (size_t)(E * ktk_bt_expert_bytes(I, H)));
+            db = aligned_alloc(64, (size_t)(E * ktk_bt_expert_bytes(H, I)));
+            if (ktk_bt_repack(pool, gt, g, rbh, I * rbh, E, I, H, gb) || ktk_bt_repack(NULL, gt, u, rbh, I * rbh, E, I, H, ub) ||
+                ktk_bt_repack(pool, dt, dn, rbi, H * rbi, E, H, I, db)) { fails++; printf("FAIL bt_repack for the layer\n"); }
+            const ktk_kernels *K = ktk_kernels_for(KTK_ISA_SCALAR);
+            uint16_t *blk = malloc((size_t)(32 * I) * 2);
+            float *tmp = malloc((size_t)I * 4);
+            for (int64_t e = 0; e < E; e++)   /* the down's blocks: rows of I values, as the GEMM multiplies them */
+                for (int64_t b = 0; b < H / 32; b++) {
+                    ktk_amx_rows_bf16(K, KTK_BF16, dn + (e * H + b * 32) * rbi, rbi, 32, I, blk, tmp);
+                    if (memcmp(blk, db + (e * H + b * 32) * I * 2, (size_t)(32 * I) * 2)) {
+                        fails++;
+                        printf("FAIL bt_repack: expert %lld block %lld is not ktk_amx_rows_bf16's\n", (long long)e, (long long)b);
+                        e = E;
+                        break;
+                    }
+                }
+            free(blk); free(tmp);
+            if (ktk_bt_repack(NULL, KTK_Q8_0, g, rbh, I * rbh, E, I, H, gb) != KTK_EINVAL ||     /* BF16 rows only */
+                ktk_bt_repack(NULL, gt, g, rbh, I * rbh, E, 48, H, gb) != KTK_EINVAL ||        /* rows % 32 */
+                ktk_bt_repack(NULL, gt, g, rbh + 2, I * rbh, E, I, H, gb) != KTK_EINVAL ||     /* row bytes */
+                ktk_bt_repack(NULL, gt, g, rbh, rbh, E, I, H, gb) != KTK_EINVAL ||             /* overlapping experts */
+                ktk_bt_expert_bytes(I, 48) != -1 || ktk_bt_expert_bytes(I, H) != I * H * 2) {
+                fails++;
+                printf("FAIL bt_repack shape rules\n");
+            }
+            ktk_moe_desc db_ = d;
+            db_.gate_bt = gb; db_.up_bt = ub; db_.down_bt = db;
+            mb = ktk_moe_new(&db_, &err);
+            if (!mb) { fails++; printf("FAIL moe_new (BF16 tile copies) %d\n", err); }
+            db_.up_bt = NULL;   /* gate and up both or neither */
+            ktk_moe *bad = ktk_moe_new(&db_, &err);
+            if (bad || err != KTK_EINVAL) { fails++; printf("FAIL moe_new took a gate tile copy without the up's\n"); }
+            ktk_moe_free(bad);
+        }
         for (int64_t T = 48; m && T <= 100; T += 52) {
             float *x = malloc((size_t)(T * H) * 4), *w = malloc((size_t)(T * k) * 4);
             float *ref = malloc((size_t)(T * H) * 4), *out = malloc((size_t)(T * H) * 4);
@@ -309,6 +348,15 @@ static int check_moe(void) {
             if (rc || !(e < 2e-2)) {   /* bf16 weights and tokens on the tile path */
                 fails++;
                 printf("FAIL moe types %d/%d, %lld tokens: rc %d, relative error %.3g\n", gt, dt, (long long)T, rc, e);
+            }
+            if (mb) {   /* the tile copies: the same values in the same tiles, so the same bits */
+                float *out2 = malloc((size_t)(T * H) * 4);
+                rc = ktk_moe_forward(mb, pool, KTK_ISA_AVX2, T, k, x, ids, w, out2);
+                if (rc || memcmp(out, out2, (size_t)(T * H) * 4)) {
+                    fails++;
+                    printf("FAIL moe BF16, %lld tokens: the tile copies and the rows in place differ (rc %d)\n", (long long)T, rc);
+                }
+                free(out2);
             }
             if (mf) {
                 float *out2 = malloc((size_t)(T * H) * 4);
@@ -339,8 +387,8 @@ static int check_moe(void) {
             }
             free(x); free(w); free(ref); free(out); free(ids);
         }
-        ktk_moe_free(m); ktk_moe_free(mf); ktk_moe_free(m8); ktk_moe_free(m4);
-        free(g); free(u); free(dn); free(gi); free(ui); free(di); free(gi4); free(ui4); free(di4);
+        ktk_moe_free(m); ktk_moe_free(mf); ktk_moe_free(m8); ktk_moe_free(m4); ktk_moe_free(mb);
+        free(g); free(u); free(dn); free(gi); free(ui); free(di); free(gi4); free(ui4); free(di4); free(gb); free(ub); free(db);
     }
     ktk_pool_free(pool);
     return fails;

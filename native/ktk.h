@@ -99,6 +99,10 @@ typedef struct {
     const uint8_t *gate_i8, *up_i8, *down_i8;
     int64_t gate_i8_group, down_i8_group;  /* the copies' group sizes G (gate and up share one; 0: ktk_i8_group, I4: ktk_i4_group) */
     int i8_bits;                          /* 8 (or 0): the *_i8 copies are I8 ones; 4: I4 (ktk_i4_repack) */
+    /* NULL, or a BF16 matrix copied tile-major by ktk_bt_repack (experts back to back, ktk_bt_expert_bytes each): on
+     * the AMX path the grouped (prefill) experts' bf16 tiles load it as 1 KiB blocks instead of 16 rows a tile from
+     * the GGML rows (the same values, the same bits). Gate and up both or neither; the I8 copies come first. */
+    const uint8_t *gate_bt, *up_bt, *down_bt;
 } ktk_moe_desc;
 
 typedef struct ktk_moe ktk_moe;
@@ -148,6 +152,14 @@ int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split);
  * unless rows % 32 == 0, n % 64 == 0 and G fits n). repack: as ktk_r16_repack, from any GGML type
  * with a dequantization. dequant: one expert's copy -> dst [rows, n] f32 (the values the tiles
  * multiply). */
+/* ---- BF16 tile copies (amx.c): BF16 expert matrices copied at load into the tile-major layout the AMX-BF16
+ * GEMM multiplies (ktk_amx_rows_bf16's: in each block of 32 rows, k-step ks's 32 values of row r at (ks * 32 + r)
+ * * 32, so each 16-row A tile is 1 KiB of contiguous memory). expert_bytes: rows * n * 2 (-1 unless rows % 32 == 0
+ * and n % 32 == 0). repack: as ktk_r16_repack, from KTK_BF16 rows only (KTK_EINVAL otherwise): a copy, no rounding. */
+int64_t ktk_bt_expert_bytes(int64_t rows, int64_t n);
+int ktk_bt_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
+                  int64_t rows, int64_t n, uint8_t *dst);
+
 #define KTK_I8_GMAX 1024
 int ktk_amx_int8_usable(void);
 int64_t ktk_i8_group(int64_t n);

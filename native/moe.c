@@ -26,7 +26,8 @@
  * types dequantized against f32 panels; on the AMX path rows as bf16 tiles, by AMX-BF16 tiles. A matrix with an R16 copy (desc gate_r16 / up_r16 / down_r16, r16.c)
  * takes the row-dot path on that copy, several (group, token) pairs per kernel call; the grouped
  * path reads the GGML rows, or, on AMX with AMX-INT8, the I8 copies (desc gate_i8 / up_i8 / down_i8,
- * i8.c) with AMX-INT8 tiles, the tokens packed to 8 bits per token and group. */
+ * i8.c) with AMX-INT8 tiles, the tokens packed to 8 bits per token and group, or, on AMX, BF16 tile copies (desc
+ * gate_bt / up_bt / down_bt, amx.c ktk_bt_repack) whose tiles load as 1 KiB blocks. */
 #define _GNU_SOURCE
 #include "ktk_int.h"
 #include <math.h>
@@ -73,6 +74,7 @@ struct ktk_moe {
     int8_t *xq8, *hq8;                                 /* its packed tokens and their scales (in xpk_mem, hpk_mem) */
     float *xs8, *hs8;
     int i8_gu, i8_dn;                                  /* gate/up, down from the I8 copies on AMX-INT8 tiles */
+    int bt_gu, bt_dn;                                  /* gate/up, down from the BF16 tile copies (AMX, no I8 copy) */
     int64_t i8_es_gu, i8_es_dn, npad;                  /* their bytes per expert; padded tokens of the packing */
     int64_t i8_g_gu, i8_g_dn;                          /* their group sizes (the desc's, 0 resolved) */
     int i8_pf, i8_overlap;                             /* their tile GEMM's prefetch distance in k-steps; overlap */
@@ -143,6 +145,11 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
     if (!e && ((d->gate_i8 != NULL) != (d->up_i8 != NULL) ||
                (d->gate_i8 && ix_expert_bytes(d->i8_bits, d->inter, d->hidden, d->gate_i8_group) < 0) ||
                (d->down_i8 && ix_expert_bytes(d->i8_bits, d->hidden, d->inter, d->down_i8_group) < 0)))
+        e = KTK_EINVAL;
+    /* BF16 tile copies: gate and up both or neither, of BF16 matrices */
+    if (!e && ((d->gate_bt != NULL) != (d->up_bt != NULL) ||
+               (d->gate_bt && (d->gate_type != KTK_BF16 || d->up_type != KTK_BF16)) ||
+               (d->down_bt && d->down_type != KTK_BF16)))
         e = KTK_EINVAL;
     if (e) { if (err) *err = e; return NULL; }
     if (d->gate_r16 || d->down_r16) ktk_r16_init();
@@ -269,13 +276,15 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
 }
 
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
- * the tile GEMM against the expert's packed tokens. */
-static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, int64_t K,
-                        const uint16_t *pk, int64_t nt, float *C, const uint8_t *next, int64_t next_bytes,
+ * the tile GEMM against the expert's packed tokens; with a BF16 tile copy (bt: the block's), the GEMM on it.
+ * next, next_bytes: what the GEMM brings into L2 meanwhile (in the copy when bt is). */
+static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, const uint8_t *bt,
+                        int64_t K, const uint16_t *pk, int64_t nt, float *C, const uint8_t *next, int64_t next_bytes,
                         int tid, int part) {
     int64_t ldc = (nt + 15) / 16 * 16;
     TR_START();
-    if (type == KTK_BF16 && m->bf16_in_place) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
+    if (bt) ktk_amx_gemm_next((const uint16_t *)bt, K, pk, nt, C, ldc, m->pf_next ? next : NULL, next_bytes);
+    else if (type == KTK_BF16 && m->bf16_in_place) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
     else {
         ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
         TR_ADD(tid, part);
@@ -379,8 +388,11 @@ static void phase_gate_up(ktk_moe *m, int64_t item, int tid) {
             TR_ADD(tid, 1);
         } else if (m->amx) {
             const uint16_t *pk = m->xpk + m->pk_off[e] * H;
-            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, H, pk, n, s.c0, u, RC * d->up_rb, tid, 0);
-            grouped_amx(m, &s, d->up_type, u, d->up_rb, H, pk, n, s.c1, NULL, 0, tid, 0);
+            const int64_t bo = (e * I + r0) * H * 2;   /* the block's bytes into a tile copy */
+            const uint8_t *gb = m->bt_gu ? d->gate_bt + bo : NULL, *ub = m->bt_gu ? d->up_bt + bo : NULL;
+            grouped_amx(m, &s, d->gate_type, g, d->gate_rb, gb, H, pk, n, s.c0, ub ? ub : u, RC * (ub ? H * 2 : d->up_rb),
+                        tid, 0);
+            grouped_amx(m, &s, d->up_type, u, d->up_rb, ub, H, pk, n, s.c1, NULL, 0, tid, 0);
         } else {
             const float *pf = m->xpf ? m->xpf + m->pk_off[e] * H : NULL;
             const int8_t *pq = m->vnni_gu ? m->xq8 + m->pk_off[e] * H : NULL;
@@ -497,9 +509,10 @@ static void down_grouped(ktk_moe *m, scratch_t *s, int64_t a, int64_t a_end, int
     } else if (m->amx) {
         int64_t a1 = a + 1;   /* the next grouped expert's rows come in during this GEMM */
         while (a1 < a_end && !m->tile[m->act[a1]]) a1++;
-        const uint8_t *nx = a1 < a_end ? d->down + m->act[a1] * d->down_es + r0 * d->down_rb : NULL;
-        grouped_amx(m, s, d->down_type, rows, d->down_rb, I, m->hpk + m->pk_off[e] * I, n, s->c0,
-                    nx, RC * d->down_rb, tid, 3);
+        const uint8_t *bt = m->bt_dn ? d->down_bt + (e * H + r0) * I * 2 : NULL, *nx = NULL;
+        if (a1 < a_end) nx = bt ? d->down_bt + (m->act[a1] * H + r0) * I * 2 : d->down + m->act[a1] * d->down_es + r0 * d->down_rb;
+        grouped_amx(m, s, d->down_type, rows, d->down_rb, bt, I, m->hpk + m->pk_off[e] * I, n, s->c0,
+                    nx, RC * (bt ? I * 2 : d->down_rb), tid, 3);
     } else {
         grouped(m, s, d->down_type, rows, d->down_rb, I, m->hptr + base,
                 m->hpf ? m->hpf + m->pk_off[e] * I : NULL, m->vnni_dn ? m->hq8 + m->pk_off[e] * I : NULL,
@@ -747,6 +760,8 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
 #endif
     m->i8_gu = i8_ok && d->gate_i8 != NULL;
     m->i8_dn = i8_ok && d->down_i8 != NULL;
+    m->bt_gu = m->amx && !m->i8_gu && d->gate_bt != NULL;
+    m->bt_dn = m->amx && !m->i8_dn && d->down_bt != NULL;
     m->isa = isa;
     m->packed = m->amx || (K->pack_f32 && K->gemm_packed && m->packed_f32);
     const int vnni = !m->amx && m->packed && m->vnni_on && K->pack_q8 && K->rows_u8 && K->gemm_q8;

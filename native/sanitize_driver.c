@@ -356,6 +356,54 @@ int main(void) {
 #undef XB
 #undef XR
 #undef XD
+    {   /* BF16 tile copies (amx.c), exact-size buffers: the last expert's last block ends the buffer; the layer on
+         * the copies equals the layer on the rows, bit for bit, on every ISA here (only AMX reads the copies); bad
+         * arguments and descriptors refused */
+        const int64_t rbh = ktk_row_bytes(KTK_BF16, H), rbi = ktk_row_bytes(KTK_BF16, I);
+        const int64_t esg = ktk_bt_expert_bytes(I, H), esd = ktk_bt_expert_bytes(H, I);
+        uint8_t *g = malloc((size_t)(E * I * rbh)), *u = malloc((size_t)(E * I * rbh)), *dn = malloc((size_t)(E * H * rbi));
+        uint8_t *gb = malloc((size_t)(E * esg)), *ub = malloc((size_t)(E * esg)), *db = malloc((size_t)(E * esd));
+        fill(KTK_BF16, g, E * I, H); fill(KTK_BF16, u, E * I, H); fill(KTK_BF16, dn, E * H, I);
+        int bad = esg != I * H * 2 || ktk_bt_repack(pool, KTK_BF16, g, rbh, I * rbh, E, I, H, gb) ||
+                  ktk_bt_repack(NULL, KTK_BF16, u, rbh, I * rbh, E, I, H, ub) ||
+                  ktk_bt_repack(pool, KTK_BF16, dn, rbi, H * rbi, E, H, I, db) ||
+                  memcmp(gb + E * esg - 64, g + (E * I - 1) * rbh + (H - 32) * 2, 64);   /* the last row's last k-step */
+        if (bad) { fprintf(stderr, "BF16 tile copies: repack\n"); fails++; }
+        float x[48 * 256], ref[48 * 256], out[48 * 256];
+        int64_t ids[48 * 2]; float w[48 * 2];
+        for (int i = 0; i < 48 * 256; i++) x[i] = frand();
+        for (int i = 0; i < 48; i++) { ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E; w[2 * i] = frand(); w[2 * i + 1] = frand(); }
+        ktk_moe_desc plain = {KTK_BF16, KTK_BF16, KTK_BF16, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
+        ktk_moe_desc d = plain;
+        d.gate_bt = gb; d.up_bt = ub; d.down_bt = db;
+        int err = 0;
+        ktk_moe *m = ktk_moe_new(&d, &err), *mp = ktk_moe_new(&plain, &err);
+        for (int T = 1; m && mp && T <= 48; T += 47)
+            for (int isa = 0; isa <= KTK_ISA_AMX; isa++) {
+                if (isa && !(feats >> isa & 1)) continue;
+                if (ktk_moe_forward(mp, pool, isa, T, k, x, ids, w, ref) || ktk_moe_forward(m, pool, isa, T, k, x, ids, w, out) ||
+                    memcmp(out, ref, (size_t)(T * H) * sizeof(float))) {
+                    fprintf(stderr, "BF16 tile copies isa %d T %d: layer differs\n", isa, T); fails++;
+                }
+            }
+        if (!m || !mp) { fprintf(stderr, "BF16 tile copies: moe_new %d\n", err); fails++; }
+        ktk_moe_free(m); ktk_moe_free(mp);
+        d.up_bt = NULL;                                   /* gate without up: refused */
+        if (ktk_moe_new(&d, &err) || err != KTK_EINVAL) { fprintf(stderr, "BF16 tile copy of gate without up accepted\n"); fails++; }
+        ktk_moe_desc q = plain;                           /* a copy beside rows of another type: refused */
+        q.down_type = KTK_Q8_0; q.down_rb = ktk_row_bytes(KTK_Q8_0, I); q.down_bt = db;
+        if (ktk_moe_new(&q, &err) || err != KTK_EINVAL) { fprintf(stderr, "BF16 tile copy of a Q8_0 down accepted\n"); fails++; }
+        if (ktk_bt_repack(NULL, KTK_Q8_0, g, ktk_row_bytes(KTK_Q8_0, H), I * rbh, E, I, H, gb) != KTK_EINVAL ||   /* BF16 only */
+            ktk_bt_repack(NULL, KTK_BF16, g, rbh, I * rbh, E, 16, H, gb) != KTK_EINVAL ||       /* rows % 32 */
+            ktk_bt_repack(NULL, KTK_BF16, g, rbh + 2, I * rbh, E, I, H, gb) != KTK_EINVAL ||    /* row bytes */
+            ktk_bt_repack(NULL, KTK_BF16, g, rbh, rbh, E, I, H, gb) != KTK_EINVAL ||            /* overlapping experts */
+            ktk_bt_repack(NULL, KTK_BF16, g, rbh, I * rbh, 0, I, H, gb) != KTK_EINVAL ||        /* no experts */
+            ktk_bt_repack(NULL, KTK_BF16, NULL, rbh, I * rbh, E, I, H, gb) != KTK_EINVAL ||
+            ktk_bt_expert_bytes(I, 48) != -1 || ktk_bt_expert_bytes(INT64_MAX / 64 * 32, 64) != -1) {
+            fprintf(stderr, "BF16 tile copies: bad arguments accepted\n"); fails++;
+        }
+        free(g); free(u); free(dn); free(gb); free(ub); free(db);
+    }
     double bw = ktk_probe_read_gbps(pool, KTK_ISA_SCALAR, 8 << 20, 1);
     if (bw <= 0) fails++;
     ktk_probe *pr = ktk_probe_new(pool, (8 << 20) + 3);   /* kept buffer: two whole chunks, passes reuse it */

@@ -45,6 +45,7 @@ def test_bench_experts_json(capsys, caller):
     types = nmoe.auto_types() if auto else ()
     want = (["gate", "up"] if QT.Q4_K in types else []) + (["down"] if QT[q4["down_quant"].upper()] in types else [])
     assert q4["repacked"] == want and (q4["r16_stream"] == native.r16_stream() if want else q4["r16_stream"] is None)
+    assert all(r["bf16_tiles"] == [] for r in rows)   # BF16 tile copies only where asked ($KTINJECT_AMX_BF16_TILES)
 
 
 def test_bench_rounds_bytes(monkeypatch):

@@ -282,7 +282,9 @@ def bench_experts(args) -> int:
                        "repacked": list(kernels[0].repacked),   # R16 copies (decode reads them), how they are read
                        "r16_stream": native.r16_stream() if kernels[0].repacked else None,
                        "int8_group": list(kernels[0].int8_groups) if int8 else None,
-                       "int8_bits": kernels[0].int8_bits, "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
+                       "int8_bits": kernels[0].int8_bits,
+                       "bf16_tiles": list(kernels[0].bf16_tile_copies),   # BF16 tile copies the prefill tiles read
+                       "ms_per_layer": round(ms, 4), "tokens_per_s": round(T / (ms / 1e3), 1),
                        "gbps": round(gbps, 2), "bandwidth_gbps": round(bw, 2), "fraction": round(gbps / bw, 3),
                        "rounds": [{"bandwidth_gbps": round(b, 2), "gbps": round(nb / t / 1e9, 2),
                                    "fraction": round(nb / t / 1e9 / b, 3)} for b, t, _, nb in rounds],

@@ -313,6 +313,51 @@ def _int8_groups(int8_group: Union[int, Sequence[int], None]) -> tuple[int, int]
     return int8_group, int8_group
 
 
+ENV_BF16_TILES = "KTINJECT_AMX_BF16_TILES"
+GGML_BF16 = 30   # gguf.GGMLQuantizationType.BF16
+
+
+def bt_expert_bytes(rows: int, cols: int) -> int:
+    """Bytes of one expert's BF16 tile copy (native/ktk.h, ktk_bt_expert_bytes): rows * cols * 2, or -1
+    unless rows and cols are multiples of 32."""
+    lib, _ = load()
+    return int(lib.ktk_bt_expert_bytes(int(rows), int(cols)))
+
+
+def repack_bt(m: ExpertMatrix, pool: Optional[Pool] = None) -> torch.Tensor:
+    """The experts of a BF16 matrix `m` copied into the AMX-BF16 tiles' layout: a uint8 tensor of
+    E * bt_expert_bytes(rows, cols) bytes, in each block of 32 rows k-step ks's 32 values of row r at
+    (ks * 32 + r) * 32 (native/ktk.h). The same values as the GGUF rows, no rounding."""
+    m.validate()
+    what = m.name or "expert matrix"
+    if m.layout != "gguf":
+        raise NativeError(f"{what}: BF16 tile copies are made from GGUF rows, not {m.layout!r} ones")
+    if m.ggml_type != GGML_BF16:
+        raise NativeError(f"{what}: BF16 tile copies are made from BF16 rows, not GGML type {m.ggml_type}")
+    es = bt_expert_bytes(m.rows, m.cols)
+    if es < 0:
+        raise NativeError(f"{what}: no BF16 tile copy for {m.rows} rows of {m.cols} values (both must be multiples of 32)")
+    lib, ffi = load()
+    out = torch.empty(m.n_experts * es, dtype=torch.uint8)
+    rb = m.data.shape[1]
+    src = ffi.cast("uint8_t *", m.data.data_ptr() + m.offset * rb)
+    check(lib.ktk_bt_repack(pool.ptr if pool is not None else ffi.NULL, int(m.ggml_type), src, rb,
+                            m.expert_stride * rb, m.n_experts, m.rows, m.cols, _ptr(ffi, out, "uint8_t *")),
+          f"bt_repack {m.name or ''}".strip())
+    return out
+
+
+def bf16_tiles_mode(bf16_tiles: Optional[bool]) -> bool:
+    """Whether to make BF16 tile copies: $KTINJECT_AMX_BF16_TILES=0 is off everywhere; `bf16_tiles` True /
+    False is on / off; else $KTINJECT_AMX_BF16_TILES=1 is on; off by default (an A/B: the copies take as much
+    RAM again as the BF16 experts, beside the GGUF pages decode reads, and have not yet been timed against the
+    rows read in place: docs/native.md, "BF16 tile copies")."""
+    env = os.environ.get(ENV_BF16_TILES, "").strip()
+    if env == "0" or bf16_tiles is False:
+        return False
+    return bool(bf16_tiles) or env == "1"
+
+
 def int8_mode(int8_prefill: Optional[bool]) -> bool:
     """Whether to make I8 copies: $KTINJECT_AMX_INT8=0 is off everywhere; `int8_prefill` True / False
     is on / off; else $KTINJECT_AMX_INT8=1 is on; off by default (the copies are lossy and take
@@ -341,12 +386,16 @@ class MoEKernel:
     `int8_bits`: 8 (I8 copies) or 4 (I4 copies: half the bytes to read at prefill, 4 bits a weight,
     an integer sub-scale per 64 values and a scale per row and group, coarser: see docs/native.md), the
     same tiles.
+    `bf16_tiles`: True / False / None (`bf16_tiles_mode`; off unless asked): on the AMX path, BF16 gate/up
+    (both or neither) and down get tile copies (`repack_bt`: the same values, laid out as the AMX-BF16 tiles
+    load them) which the grouped (prefill) path multiplies instead of reading 16 GGUF rows a tile; the same
+    bits (`bf16_tile_copies` names them). I8 copies, where made, take precedence. Decode reads the GGUF rows.
     """
 
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
                  pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None,
                  int8_prefill: Optional[bool] = None, int8_group: Union[int, Sequence[int], None] = None,
-                 int8_bits: int = 8):
+                 int8_bits: int = 8, bf16_tiles: Optional[bool] = None):
         lib, ffi = load()
         check_env()   # the layer's $KTINJECT_* settings, which ktk_moe_new and the tile GEMMs read leniently
         bits = _check_bits(int8_bits)
@@ -420,6 +469,26 @@ class MoEKernel:
         self.int8_copies: tuple[str, ...] = tuple(self.i8)
         self.int8_groups = (g_gu or i8_group(H, bits), g_dn or i8_group(I, bits)) if self.i8 else None
         self.int8_bits = bits if self.i8 else None
+        self.bt: dict[str, torch.Tensor] = {}
+        if bf16_tiles_mode(bf16_tiles):
+            bf = ([("gate", gate), ("up", up)] if gate.ggml_type == up.ggml_type == GGML_BF16 else []) \
+                + ([("down", down)] if down.ggml_type == GGML_BF16 else [])
+            why = None
+            if self.isa != ISAS.index("amx"):
+                why = f"the {ISAS[self.isa]} path is in use"
+            elif self.i8:
+                why = "int8_prefill's I8 copies are in use"
+            elif not bf:
+                why = "no BF16 expert matrix here (gate and up are copied both or neither)"
+            else:
+                nbytes = sum(m.n_experts * bt_expert_bytes(m.rows, m.cols) for _, m in bf)
+                if not _ram_allows(nbytes):
+                    why = f"the copies need {nbytes / 2**20:.0f} MiB, more than this machine has to spare"
+            if why:
+                _warn_once(f"bf16 tiles: off: {why}; prefill reads the GGUF rows")
+            else:
+                self.bt = {role: repack_bt(m, self.pool) for role, m in bf}
+        self.bf16_tile_copies: tuple[str, ...] = tuple(self.bt)
         desc = ffi.new("ktk_moe_desc *")
         desc.gate_type, desc.up_type, desc.down_type = gate.ggml_type, up.ggml_type, down.ggml_type
         desc.n_experts, desc.hidden, desc.inter = E, H, I
@@ -437,6 +506,8 @@ class MoEKernel:
         if self.i8:
             desc.gate_i8_group, desc.down_i8_group = g_gu, g_dn
             desc.i8_bits = bits
+        for name, t in self.bt.items():
+            setattr(desc, name + "_bt", ffi.cast("uint8_t *", t.data_ptr()))
         err = ffi.new("int *")
         ptr = lib.ktk_moe_new(desc, err)
         if ptr == ffi.NULL:
