@@ -806,6 +806,52 @@ void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) {
         }
 }
 #endif
+
+/* ---- The tile GEMM's work without tiles: AVX512-BF16 dot products (vdpbf16ps) on the same packed tokens, for the
+ * AVX-512 path's BF16 experts (moe.c, m->dp). Row r's k-step ks at A + ks * a_ks + r * a_r values: BF16 rows in
+ * place (32, rb / 2) or tile-major (1024, 32). A pair of a row's values, broadcast (32 bits), against a packed
+ * block's pair row (the same pair of 16 tokens, 64 bytes) gives 16 tokens' partial dots in one instruction: 8 rows
+ * x up to 3 token tiles of accumulators (24 of the 32 registers), C row-major as amx_gemm writes it. */
+#define KTK_DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+KTK_DP_TARGET static inline __attribute__((always_inline))
+void dp_block(const uint16_t *A, int64_t a_ks, int64_t a_r, int64_t KS, const uint16_t *b, const int TT, float *C,
+              int64_t ldc) {
+    __m512 acc[8][3];
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < TT; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t ks = 0; ks < KS; ks++) {
+        const uint16_t *a = A + ks * a_ks, *bk = b + ks * 512;
+        for (int p = 0; p < 16; p++) {
+            __m512bh bv[3];
+            for (int j = 0; j < TT; j++) bv[j] = (__m512bh)_mm512_loadu_si512((const void *)(bk + j * KS * 512 + p * 32));
+            for (int r = 0; r < 8; r++) {
+                int32_t pair;
+                memcpy(&pair, a + r * a_r + 2 * p, 4);
+                const __m512bh wv = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < TT; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, bv[j]);
+            }
+        }
+    }
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < TT; j++) _mm512_storeu_ps(C + r * ldc + j * 16, acc[r][j]);
+}
+
+KTK_DP_TARGET
+void ktk_dp_gemm(const uint16_t *A, int64_t a_ks, int64_t a_r, int64_t K, const uint16_t *pk, int64_t nt, float *C,
+                 int64_t ldc) {
+    const int64_t KS = K / 32, ntt = (nt + 15) / 16;
+    for (int64_t tt = 0; tt < ntt;) {   /* token tiles three at a time (four as two pairs), then the rest */
+        const int64_t left = ntt - tt, TT = left == 4 ? 2 : left >= 3 ? 3 : left;
+        const uint16_t *b = pk + tt * KS * 512;
+        for (int g = 0; g < 4; g++) {
+            float *c = C + g * 8 * ldc + tt * 16;
+            if (TT == 3) dp_block(A + g * 8 * a_r, a_ks, a_r, KS, b, 3, c, ldc);
+            else if (TT == 2) dp_block(A + g * 8 * a_r, a_ks, a_r, KS, b, 2, c, ldc);
+            else dp_block(A + g * 8 * a_r, a_ks, a_r, KS, b, 1, c, ldc);
+        }
+        tt += TT;
+    }
+}
 #else
 void ktk_amx_gemm(const uint16_t *Wt, int64_t K, const uint16_t *pk, int64_t nt, float *C, int64_t ldc) {
     (void)Wt; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
@@ -832,4 +878,8 @@ void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int6
     (void)K; (void)type; (void)rows; (void)rb; (void)nrows; (void)n; (void)dst; (void)tmp;
 }
 void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows) { (void)g; (void)u; (void)ldc; (void)rows; }
+void ktk_dp_gemm(const uint16_t *A, int64_t a_ks, int64_t a_r, int64_t K, const uint16_t *pk, int64_t nt, float *C,
+                 int64_t ldc) {
+    (void)A; (void)a_ks; (void)a_r; (void)K; (void)pk; (void)nt; (void)C; (void)ldc;
+}
 #endif

@@ -11,6 +11,7 @@
 static int g_features = -1;
 static int g_amx_perm = 0;
 static int g_amx_int8 = 0;   /* AMX-INT8 (TDPBSSD), for the I8 copies' tile GEMM */
+static int g_avx512bf16 = 0;   /* AVX512-BF16 (vdpbf16ps), for the AVX-512 path's BF16 grouped work */
 
 static uint64_t xgetbv0(void) {
     uint32_t lo, hi;
@@ -38,6 +39,7 @@ static int detect(void) {
     /* the AMX path also converts to bf16 with AVX512-BF16 (every AMX CPU so far has it) */
     unsigned a1 = 0, b1, c1, d1;
     int avx512bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1);
+    g_avx512bf16 = avx512bf16;
     if ((f & (1 << KTK_ISA_AVX512)) && amx_tile && amx_bf16 && avx512bf16) {
 #ifdef __linux__
         if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) g_amx_perm = 1;
@@ -70,6 +72,7 @@ int ktk_cpu_vendor(void) {
 }
 int ktk_amx_usable(void) { return (ktk_cpu_features() >> KTK_ISA_AMX) & 1; }
 int ktk_amx_int8_usable(void) { return ktk_amx_usable() && g_amx_int8; }
+int ktk_avx512bf16_usable(void) { return (ktk_cpu_features() >> KTK_ISA_AVX512 & 1) && g_avx512bf16; }
 
 int ktk_best_isa(void) {
     int f = ktk_cpu_features();

@@ -214,6 +214,11 @@ void ktk_amx_gemm_rows(const uint8_t *rows, int64_t rb, int64_t K, const uint16_
  * AVX512-BF16 conversions do). Needs AVX512-BF16. */
 void ktk_amx_rows_bf16(const ktk_kernels *K, int type, const uint8_t *rows, int64_t rb, int nrows, int64_t n,
                        uint16_t *dst, float *tmp);
+/* The tile GEMM's product without tiles (AVX512-BF16 dot products; the AVX-512 path's BF16 experts where the CPU has
+ * AVX512-BF16, ktk_avx512bf16_usable): C[r][t] (32 rows, ldc floats apart) = row r . token t, row r's k-step ks at
+ * A + ks * a_ks + r * a_r values (BF16 rows in place: 32, rb / 2; tile-major: 1024, 32), pk as ktk_amx_gemm's. */
+void ktk_dp_gemm(const uint16_t *A, int64_t a_ks, int64_t a_r, int64_t K, const uint16_t *pk, int64_t nt, float *C,
+                 int64_t ldc);
 void ktk_amx_silu_mul(float *g, const float *u, int64_t ldc, int rows);
 /* The AMX-INT8 path (layouts in i8.c): C[r*ldc + t] = dot(row r, token t) for the block of 32 rows
  * of an I8 copy at A (scales ws, row r's group g at ws[r * K / G + g]) and the tokens packed by

@@ -53,6 +53,8 @@ struct ktk_moe {
     ktk_pool *pool;
     const ktk_kernels *K;
     int amx, isa, tile_min, busy, prefetch, multirow, bf16_in_place, pf_next, packed_f32, vnni_on;
+    int tmul, dp, dp_on;   /* amx: the bf16 tile path's packing and epilogues, its products by tiles (tmul) or by
+                            * AVX512-BF16 dot products (dp: the AVX-512 path's BF16 layers, $KTINJECT_AVX512_BF16_GROUPED) */
     int64_t rcd;                                        /* rows per down item: 32, or 16 at decode */
     int64_t T, k, P, nact, ntile, nci, nch, maxcnt, maxk;
     const float *x;
@@ -207,6 +209,8 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
         m->vnni_on = !(s && s[0] == '0');
+        s = getenv("KTINJECT_AVX512_BF16_GROUPED");   /* 0: AVX-512 BF16 grouped work in f32 panels, not bf16 dots (A/B) */
+        m->dp_on = !(s && s[0] == '0');
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {
@@ -276,14 +280,18 @@ static void grouped(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int
 }
 
 /* The same on AMX, C row-major: the RC rows as bf16 tiles straight from their GGML blocks, then
- * the tile GEMM against the expert's packed tokens; with a BF16 tile copy (bt: the block's), the GEMM on it.
+ * the tile GEMM against the expert's packed tokens; with a BF16 tile copy (bt: the block's), the GEMM on it. On the
+ * AVX-512 path's BF16 layers (m->dp) the same product by AVX512-BF16 dot products.
  * next, next_bytes: what the GEMM brings into L2 meanwhile (in the copy when bt is). */
 static void grouped_amx(ktk_moe *m, scratch_t *s, int type, const uint8_t *rows, int64_t rb, const uint8_t *bt,
                         int64_t K, const uint16_t *pk, int64_t nt, float *C, const uint8_t *next, int64_t next_bytes,
                         int tid, int part) {
     int64_t ldc = (nt + 15) / 16 * 16;
     TR_START();
-    if (bt) ktk_amx_gemm_next((const uint16_t *)bt, K, pk, nt, C, ldc, m->pf_next ? next : NULL, next_bytes);
+    if (m->dp) {   /* (BF16 rows only: m->dp is set for layers of BF16 experts) */
+        if (bt) ktk_dp_gemm((const uint16_t *)bt, 1024, 32, K, pk, nt, C, ldc);
+        else ktk_dp_gemm((const uint16_t *)rows, 32, rb / 2, K, pk, nt, C, ldc);
+    } else if (bt) ktk_amx_gemm_next((const uint16_t *)bt, K, pk, nt, C, ldc, m->pf_next ? next : NULL, next_bytes);
     else if (type == KTK_BF16 && m->bf16_in_place) ktk_amx_gemm_rows(rows, rb, K, pk, nt, C, ldc);
     else {
         ktk_amx_rows_bf16(m->K, type, rows, rb, RC, K, s->wb, s->wf);
@@ -749,14 +757,19 @@ int ktk_moe_submit(ktk_moe *m, ktk_pool *p, int isa, int64_t T, int64_t k, const
         m->hptr[pos] = m->h + pos * I;
     }
 #if defined(KTK_AMX_EMULATE)   /* amx_emulate_check.c: isa AVX2 takes the grouped AMX path on the emulated tiles */
-    m->amx = isa == KTK_ISA_AVX2;
+    m->tmul = isa == KTK_ISA_AVX2;
 #else
-    m->amx = isa == KTK_ISA_AMX;
+    m->tmul = isa == KTK_ISA_AMX;
 #endif
+    /* the AVX-512 path's layers of BF16 experts: the tile path's packing and epilogues, bf16 dot products for its
+     * tile products (the weights read as they are, the tokens rounded to bf16 as on AMX) */
+    m->dp = isa == KTK_ISA_AVX512 && m->dp_on && ktk_avx512bf16_usable() && d->gate_type == KTK_BF16 &&
+            d->up_type == KTK_BF16 && d->down_type == KTK_BF16;
+    m->amx = m->tmul || m->dp;
 #if defined(KTK_AMX_EMULATE)
-    const int i8_ok = m->amx;
+    const int i8_ok = m->tmul;
 #else
-    const int i8_ok = m->amx && ktk_amx_int8_usable();
+    const int i8_ok = m->tmul && ktk_amx_int8_usable();
 #endif
     m->i8_gu = i8_ok && d->gate_i8 != NULL;
     m->i8_dn = i8_ok && d->down_i8 != NULL;

@@ -168,11 +168,14 @@ def test_a_weight_that_cannot_be_quantized_is_named(quant):
         _op(bad, None, quant=quant)
 
 
-def test_overlay_places_every_linear_and_matches_float_reference(tmp_path):
+def test_overlay_places_every_linear_and_matches_float_reference(tmp_path, monkeypatch):
     """`cpu-linear` before a -cpu pack: every Linear (attention, shared experts, lm_head) becomes
-    cpu_linear; with f32 rows the logits are the -cpu pack's."""
+    cpu_linear; with f32 rows the logits are the -cpu pack's. (The routed experts take their f32 row dots
+    in both models: on the grouped path, AMX tiles and AVX512-BF16 dots round the tokens to bf16, which
+    would turn the linears' last-bit differences into bf16 steps.)"""
     from ktinject import optimize_and_load
     from ktinject.testing import save_tiny
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "100000")
     d = save_tiny("qwen2_moe", tmp_path / "m")            # q/k/v have biases
     exact = tmp_path / "f32.yaml"
     exact.write_text("version: 1\nrules:\n  - match: {class: Linear}\n"

@@ -150,6 +150,8 @@ def _moe_tol(isa: str, qt: QT, grouped: bool) -> float:
     if grouped:
         if qt in VNNI_TYPES.get(isa, ()):   # tokens quantized to 8 bits, as on the row-dot path
             return 4e-2
+        if isa == "avx512" and qt == QT.BF16 and native.avx512_bf16_grouped():
+            return 2e-2                      # tokens rounded to bf16 for AVX512-BF16 dots, as on AMX
         return 2e-2 if isa == "amx" else 1e-4
     return 4e-2
 
@@ -247,6 +249,7 @@ def test_moe_packed_f32_path_matches_unpacked(isa, qt, monkeypatch):
     (On AVX-512, Q4_K's default grouped path is the 8-bit one: test_moe_vnni_grouped_path.)"""
     monkeypatch.setenv("KTINJECT_TILE_MIN", "1")
     monkeypatch.setenv("KTINJECT_VNNI_GROUPED", "0")
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "0")   # BF16 in f32 panels too (its dots: test_moe_avx512_bf16_dots)
     (gate, up, down), (G, U, D) = moe_case(qt, qt)
     for T in (3, 13, 47, 101):
         x = torch.randn(T, 256)
@@ -523,6 +526,7 @@ def test_describe_names_the_grouped_path(monkeypatch):
     the 8-bit types are exactly those VNNI_TYPES lists for the ISA, and
     $KTINJECT_VNNI_GROUPED=0 turns them off."""
     monkeypatch.delenv("KTINJECT_VNNI_GROUPED", raising=False)
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "0")
     assert native.grouped_path("scalar") == "f32" and native.grouped_path("amx").startswith("AMX-BF16 tiles")
     for isa in ("avx2", "avx512"):
         if isa not in ISAS:
@@ -535,5 +539,46 @@ def test_describe_names_the_grouped_path(monkeypatch):
         monkeypatch.setenv("KTINJECT_PACKED_F32", "0")   # unpacked tokens: the 8-bit path is off too
         assert native.grouped_path(isa) == "f32"
         monkeypatch.delenv("KTINJECT_PACKED_F32")
+    monkeypatch.delenv("KTINJECT_AVX512_BF16_GROUPED")   # BF16 layers' dots, where the CPU has AVX512-BF16
+    if "avx512" in ISAS:
+        lib, _ = native.load()
+        dots = "; bf16 dot products (AVX512-BF16) where gate, up and down are all BF16" if lib.ktk_avx512bf16_usable() else ""
+        assert native.grouped_path("avx512").endswith(f"f32 for other types{dots}")
     monkeypatch.setenv("KTINJECT_ISA", "scalar")
     assert native.describe()["grouped"] == "f32"
+
+
+def _ref_moe_bf16_tokens(x, ids, w, gate, up, down):
+    """ref_moe with the rounding of the bf16 product paths: tokens and h rounded to bf16 before each
+    projection, everything else in float64."""
+    bf = lambda t: t.to(torch.bfloat16).double()   # noqa: E731
+    out = torch.zeros(x.shape[0], gate.shape[2], dtype=torch.float64)
+    xb = bf(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = gate[e].double() @ xb[t], up[e].double() @ xb[t]
+            h = bf((g * torch.sigmoid(g) * u).float())
+            out[t] += float(w[t, j]) * (down[e].double() @ h)
+    return out.float()
+
+
+@pytest.mark.skipif("avx512" not in ISAS or not native.avx512_bf16_grouped(),
+                    reason="needs the AVX-512 path on a CPU with AVX512-BF16")
+@pytest.mark.parametrize("counts", [(1, 17, 48, 100), (64, 80, 2, 33)], ids=["tiles-1-2-3-7", "tiles-4-5-1-3"])
+def test_moe_avx512_bf16_dots(counts, monkeypatch):
+    """The AVX-512 path's BF16 layer on AVX512-BF16 dot products (native/amx.c ktk_dp_gemm): experts of 1 to 7
+    token tiles, so each of the kernel's 1-, 2- and 3-tile blocks runs, against float64 on the tokens and h
+    rounded to bf16 (what the dots multiply) tightly, against the plain reference within the bf16 tolerance,
+    and $KTINJECT_AVX512_BF16_GROUPED=0 back on the f32 panels."""
+    monkeypatch.setenv("KTINJECT_TILE_MIN", "1")
+    (gate, up, down), (G, U, D) = moe_case(QT.BF16, QT.BF16, E=4, H=256, I=512)
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])[torch.randperm(sum(counts))][:, None].contiguous()
+    T = ids.shape[0]
+    x, w = torch.randn(T, 256), torch.rand(T, 1)
+    out = native.MoEKernel(gate, up, down, threads=2, isa="avx512")(x, ids, w)
+    assert rel_err(out, _ref_moe_bf16_tokens(x, ids, w, G, U, D)) < 2e-4   # measured 1.3e-5 (f32 sums of exact products)
+    assert rel_err(out, ref_moe(x, ids, w, G, U, D)) < 2e-2
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "0")
+    f32 = native.MoEKernel(gate, up, down, threads=2, isa="avx512")(x, ids, w)
+    assert rel_err(f32, ref_moe(x, ids, w, G, U, D)) < 1e-4 and not torch.equal(out, f32)

@@ -187,7 +187,18 @@ def grouped_path(isa_name: str) -> str:
                                    else " (no AMX-INT8: int8_prefill has no effect)")
     mask = int(lib.ktk_grouped_int8_types(isa_index(isa_name)))
     names = [QT(t).name for t in range(32) if mask >> t & 1]
-    return f"8-bit integers ({', '.join(names)}), f32 for other types" if names else "f32"
+    out = f"8-bit integers ({', '.join(names)}), f32 for other types" if names else "f32"
+    if isa_name == "avx512" and avx512_bf16_grouped():
+        out += "; bf16 dot products (AVX512-BF16) where gate, up and down are all BF16"
+    return out
+
+
+def avx512_bf16_grouped() -> bool:
+    """Whether the AVX-512 path's layers of BF16 experts multiply their grouped (prefill) experts with
+    AVX512-BF16 dot products (native/amx.c ktk_dp_gemm: the tokens rounded to bf16, as on AMX) rather than in
+    f32 panels: the CPU has AVX512-BF16 and $KTINJECT_AVX512_BF16_GROUPED is not 0 (docs/native.md)."""
+    lib, _ = load()
+    return bool(lib.ktk_avx512bf16_usable()) and not os.environ.get("KTINJECT_AVX512_BF16_GROUPED", "").startswith("0")
 
 
 def linear_path(isa_name: str) -> str:
@@ -440,6 +451,6 @@ def probe_amx_gemm(pool: Pool) -> list[float]:
 from .moe import MoEKernel, ExpertMatrix, repack_r16, run_chain, r16_dequant, r16_gemv, r16_row_bytes, i8_dequant, i8_expert_bytes, repack_i8  # noqa: E402,F401  (needs the helpers above)
 
 __all__ = ["ISAS", "ExpertMatrix", "MoEKernel", "Pool", "Probe", "available", "check", "default_pool", "describe",
-           "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
+           "avx512_bf16_grouped", "dequant_row", "dequant_rows", "gemv", "grouped_path", "isa", "isa_index", "linear", "linear_checked_rows", "load", "missing_reason",
            "linear_grouped_from", "linear_path", "pool_trace", "probe_amx_gemm", "probe_read_gbps", "row_bytes", "run_chain",
            "usable_isas"]

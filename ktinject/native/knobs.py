@@ -38,6 +38,7 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_AMX_GU_CLAIM": ("int", 0, 64),
     "KTINJECT_AMX_INT8": ("switch",),
     "KTINJECT_AMX_BF16_TILES": ("switch",),
+    "KTINJECT_AVX512_BF16_GROUPED": ("switch",),
     "KTINJECT_AMX_I8_PREFETCH": ("int", 0, 32),
     "KTINJECT_AMX_I8_OVERLAP": ("switch",),
     "KTINJECT_AMX_I4_AHEAD": ("int", 0, 8),
