@@ -145,13 +145,6 @@ int ktk_r16_gemv(int isa, int type, const uint8_t *w, int64_t rows, int64_t n, i
  * $KTINJECT_R16_PF_L2 and $KTINJECT_R16_SPLIT override them (read once). KTK_EINVAL: no R16 layout. */
 int ktk_r16_stream(int type, int *pf_bytes, int *l2, int *split);
 
-/* ---- I8 copies (i8.c): expert matrices requantized at load to int8 per row and group of G values,
- * tile-major, for the AMX-INT8 prefill path (layout in i8.c). G: a multiple of 64 that divides n,
- * at most KTK_I8_GMAX; 0 stands for ktk_i8_group(n), the default: the smallest such G >= 256 where
- * that is <= 1024, else the largest below 256 (-1 if n % 64). expert_bytes: one expert's bytes (-1
- * unless rows % 32 == 0, n % 64 == 0 and G fits n). repack: as ktk_r16_repack, from any GGML type
- * with a dequantization. dequant: one expert's copy -> dst [rows, n] f32 (the values the tiles
- * multiply). */
 /* ---- BF16 tile copies (amx.c): BF16 expert matrices copied at load into the tile-major layout the AMX-BF16
  * GEMM multiplies (ktk_amx_rows_bf16's: in each block of 32 rows, k-step ks's 32 values of row r at (ks * 32 + r)
  * * 32, so each 16-row A tile is 1 KiB of contiguous memory). expert_bytes: rows * n * 2 (-1 unless rows % 32 == 0
@@ -160,6 +153,13 @@ int64_t ktk_bt_expert_bytes(int64_t rows, int64_t n);
 int ktk_bt_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,
                   int64_t rows, int64_t n, uint8_t *dst);
 
+/* ---- I8 copies (i8.c): expert matrices requantized at load to int8 per row and group of G values,
+ * tile-major, for the AMX-INT8 prefill path (layout in i8.c). G: a multiple of 64 that divides n,
+ * at most KTK_I8_GMAX; 0 stands for ktk_i8_group(n), the default: the smallest such G >= 256 where
+ * that is <= 1024, else the largest below 256 (-1 if n % 64). expert_bytes: one expert's bytes (-1
+ * unless rows % 32 == 0, n % 64 == 0 and G fits n). repack: as ktk_r16_repack, from any GGML type
+ * with a dequantization. dequant: one expert's copy -> dst [rows, n] f32 (the values the tiles
+ * multiply). */
 #define KTK_I8_GMAX 1024
 int ktk_amx_int8_usable(void);
 /* whether the AVX-512 path here has AVX512-BF16 (vdpbf16ps): its BF16 experts' grouped (prefill) work then runs
