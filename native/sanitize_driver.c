@@ -16,6 +16,15 @@ static double rel(const float *a, const float *b, int64_t n) {
     return sqrt(num / (den > 0 ? den : 1e-30));
 }
 
+/* a batch-48 layer's input: 48 tokens of 256 values, each routed to two distinct experts of E with random weights */
+static void layer_input(int64_t E, float *x, int64_t *ids, float *w) {
+    for (int i = 0; i < 48 * 256; i++) x[i] = frand();
+    for (int i = 0; i < 48; i++) {
+        ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E;
+        w[2 * i] = frand(); w[2 * i + 1] = frand();
+    }
+}
+
 static void claim_item_fn(void *ctx, int phase, int64_t item, int tid) {
     (void)tid;
     _Atomic int (*seen)[100] = ctx;
@@ -237,9 +246,8 @@ int main(void) {
                     fprintf(stderr, "R16 type %d isa %d: gemv differs from the scalar loop\n", t, isa); fails++;
                 }
             float x[48 * 256], ref[48 * 256], out[48 * 256];
-            for (int i = 0; i < 48 * 256; i++) x[i] = frand();
             int64_t ids[48 * 2]; float w[48 * 2];
-            for (int i = 0; i < 48; i++) { ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E; w[2 * i] = frand(); w[2 * i + 1] = frand(); }
+            layer_input(E, x, ids, w);
             ktk_moe_desc d = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, g16, u16, d16};
             ktk_moe_desc plain = {t, t, t, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0, NULL, NULL, NULL};
             int err = 0;
@@ -371,8 +379,7 @@ int main(void) {
         if (bad) { fprintf(stderr, "BF16 tile copies: repack\n"); fails++; }
         float x[48 * 256], ref[48 * 256], out[48 * 256];
         int64_t ids[48 * 2]; float w[48 * 2];
-        for (int i = 0; i < 48 * 256; i++) x[i] = frand();
-        for (int i = 0; i < 48; i++) { ids[2 * i] = rnd() % E; ids[2 * i + 1] = (ids[2 * i] + 1 + rnd() % (E - 1)) % E; w[2 * i] = frand(); w[2 * i + 1] = frand(); }
+        layer_input(E, x, ids, w);
         ktk_moe_desc plain = {KTK_BF16, KTK_BF16, KTK_BF16, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
         ktk_moe_desc d = plain;
         d.gate_bt = gb; d.up_bt = ub; d.down_bt = db;

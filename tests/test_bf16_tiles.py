@@ -64,21 +64,23 @@ def test_bf16_tiles_mode(monkeypatch):
     assert nmoe.bf16_tiles_mode(True) is False
 
 
-def test_off_the_amx_path_it_says_why_and_makes_no_copies(caplog):
-    (gate, up, down), _ = moe_case(QT.BF16, QT.BF16, E=2)
+def _refused(caplog, mats, isa: str) -> tuple:
+    """A kernel asked for tile copies where it makes none: its copies and the log's words."""
     nmoe._warned.clear()
     with caplog.at_level("WARNING", logger="ktinject.native.moe"):
-        kern = native.MoEKernel(gate, up, down, threads=1, isa="scalar", bf16_tiles=True)
-    assert kern.bf16_tile_copies == () and "bf16 tiles: off: the scalar path is in use" in caplog.text
+        kern = native.MoEKernel(*mats, threads=1, isa=isa, bf16_tiles=True)
+    return kern.bf16_tile_copies, caplog.text
+
+
+def test_off_the_amx_path_it_says_why_and_makes_no_copies(caplog):
+    copies, log = _refused(caplog, moe_case(QT.BF16, QT.BF16, E=2)[0], "scalar")
+    assert copies == () and "bf16 tiles: off: the scalar path is in use" in log
 
 
 @pytest.mark.skipif(not AMX, reason="needs AMX (Sapphire Rapids or later) with tile permission")
 def test_no_bf16_matrix_says_so(caplog):
-    (gate, up, down), _ = moe_case(QT.Q4_K, QT.Q8_0, E=2)
-    nmoe._warned.clear()
-    with caplog.at_level("WARNING", logger="ktinject.native.moe"):
-        kern = native.MoEKernel(gate, up, down, threads=1, isa="amx", bf16_tiles=True)
-    assert kern.bf16_tile_copies == () and "no BF16 expert matrix here" in caplog.text
+    copies, log = _refused(caplog, moe_case(QT.Q4_K, QT.Q8_0, E=2)[0], "amx")
+    assert copies == () and "no BF16 expert matrix here" in log
 
 
 @pytest.mark.skipif(not AMX, reason="needs AMX (Sapphire Rapids or later) with tile permission")
