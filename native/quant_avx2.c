@@ -215,8 +215,8 @@ static inline __attribute__((always_inline)) void gemm_q8_4x16(const uint8_t *u,
             __m256i a[4][2];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
-            /* not unrolled: unrolled 8 steps deep, GCC hoisted the products and spilled a dozen of the 16
-             * ymm registers (Q4_K at batch 512: 217 -> 183 ms a V2-Lite layer on 2 Zen 4 cores) */
+            /* not unrolled: unrolled 8 steps deep, GCC hoisted the products and spilled a dozen of the 16 ymm
+             * registers (Q4_K 1.19x, Q4_0 1.25x at batch 512 without: docs/bench/cpu_experts.md) */
 #pragma GCC unroll 1
             for (int k = k0; k < k0 + steps; k++) {
                 const __m256i x0 = _mm256_loadu_si256((const __m256i *)(P + (kb + k) * 64));
