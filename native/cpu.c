@@ -73,6 +73,15 @@ int ktk_cpu_vendor(void) {
 int ktk_amx_usable(void) { return (ktk_cpu_features() >> KTK_ISA_AMX) & 1; }
 int ktk_amx_int8_usable(void) { return ktk_amx_usable() && g_amx_int8; }
 int ktk_avx512bf16_usable(void) { return (ktk_cpu_features() >> KTK_ISA_AVX512 & 1) && g_avx512bf16; }
+/* AMD only by default, as measured: 2.18x the f32 panels on Zen 4 (one 512-bit FMA a cycle, so twice the products
+ * an instruction doubles its rate), 0.78-0.92x on the lent Sapphire Rapids-class Xeon (two 512-bit FMA ports):
+ * docs/native.md. $KTINJECT_AVX512_BF16_GROUPED=1 / 0 decides anywhere. */
+int ktk_avx512bf16_grouped(void) {
+    if (!ktk_avx512bf16_usable()) return 0;
+    const char *s = getenv("KTINJECT_AVX512_BF16_GROUPED");
+    if (s && *s) return s[0] != '0';
+    return ktk_cpu_vendor() == KTK_VENDOR_AMD;
+}
 
 int ktk_best_isa(void) {
     int f = ktk_cpu_features();

@@ -162,9 +162,11 @@ int ktk_bt_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int
  * multiply). */
 #define KTK_I8_GMAX 1024
 int ktk_amx_int8_usable(void);
-/* whether the AVX-512 path here has AVX512-BF16 (vdpbf16ps): its BF16 experts' grouped (prefill) work then runs
- * on bf16 dot products of the packed tokens (moe.c; $KTINJECT_AVX512_BF16_GROUPED=0: f32 panels) */
+/* whether the AVX-512 path here has AVX512-BF16 (vdpbf16ps); and whether its BF16 experts' grouped (prefill) work
+ * runs on bf16 dot products of the packed tokens (moe.c) rather than f32 panels: $KTINJECT_AVX512_BF16_GROUPED=1 / 0,
+ * unset: on AMD CPUs only (Zen 4: 2.18x the f32 panels; the lent Sapphire Rapids-class Xeon: 1.09-1.28x slower) */
 int ktk_avx512bf16_usable(void);
+int ktk_avx512bf16_grouped(void);
 int64_t ktk_i8_group(int64_t n);
 int64_t ktk_i8_expert_bytes(int64_t rows, int64_t n, int64_t G);
 int ktk_i8_repack(ktk_pool *p, int type, const uint8_t *src, int64_t src_rb, int64_t src_es, int64_t n_experts,

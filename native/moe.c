@@ -209,8 +209,7 @@ ktk_moe *ktk_moe_new(const ktk_moe_desc *d, int *err) {
         m->packed_f32 = !(s && s[0] == '0');
         s = getenv("KTINJECT_VNNI_GROUPED");   /* 0: AVX2 / AVX-512 grouped work in f32, not 8-bit integers (A/B) */
         m->vnni_on = !(s && s[0] == '0');
-        s = getenv("KTINJECT_AVX512_BF16_GROUPED");   /* 0: AVX-512 BF16 grouped work in f32 panels, not bf16 dots (A/B) */
-        m->dp_on = !(s && s[0] == '0');
+        m->dp_on = ktk_avx512bf16_grouped();   /* AVX-512 BF16 grouped work on bf16 dots ($KTINJECT_AVX512_BF16_GROUPED) */
         if (m->tile_min < 1) m->tile_min = 1;
     }
     if (!m || !m->cnt || !m->off || !m->act || !m->tile_list || !m->plain_list || !m->pk_off || !m->tile) {

@@ -539,7 +539,7 @@ def test_describe_names_the_grouped_path(monkeypatch):
         monkeypatch.setenv("KTINJECT_PACKED_F32", "0")   # unpacked tokens: the 8-bit path is off too
         assert native.grouped_path(isa) == "f32"
         monkeypatch.delenv("KTINJECT_PACKED_F32")
-    monkeypatch.delenv("KTINJECT_AVX512_BF16_GROUPED")   # BF16 layers' dots, where the CPU has AVX512-BF16
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "1")   # BF16 layers' dots, where the CPU has AVX512-BF16
     if "avx512" in ISAS:
         lib, _ = native.load()
         dots = "; bf16 dot products (AVX512-BF16) where gate, up and down are all BF16" if lib.ktk_avx512bf16_usable() else ""
@@ -563,8 +563,24 @@ def _ref_moe_bf16_tokens(x, ids, w, gate, up, down):
     return out.float()
 
 
-@pytest.mark.skipif("avx512" not in ISAS or not native.avx512_bf16_grouped(),
-                    reason="needs the AVX-512 path on a CPU with AVX512-BF16")
+def _avx512bf16() -> bool:
+    return "avx512" in ISAS and bool(native.load()[0].ktk_avx512bf16_usable())
+
+
+def test_avx512_bf16_dots_default_by_vendor(monkeypatch):
+    """The AVX-512 path's BF16 layers take the AVX512-BF16 dots by default on AMD CPUs only (faster than the f32
+    panels on Zen 4, slower on the lent Intel Xeon: docs/native.md); $KTINJECT_AVX512_BF16_GROUPED=1 / 0 decides
+    anywhere the CPU has AVX512-BF16, and nothing turns them on where it has not."""
+    lib, _ = native.load()
+    monkeypatch.delenv("KTINJECT_AVX512_BF16_GROUPED", raising=False)
+    assert native.avx512_bf16_grouped() == (_avx512bf16() and lib.ktk_cpu_vendor() == lib.KTK_VENDOR_AMD)
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "1")
+    assert native.avx512_bf16_grouped() == _avx512bf16()
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "0")
+    assert not native.avx512_bf16_grouped()
+
+
+@pytest.mark.skipif(not _avx512bf16(), reason="needs the AVX-512 path on a CPU with AVX512-BF16")
 @pytest.mark.parametrize("counts", [(1, 17, 48, 100), (64, 80, 2, 33)], ids=["tiles-1-2-3-7", "tiles-4-5-1-3"])
 def test_moe_avx512_bf16_dots(counts, monkeypatch):
     """The AVX-512 path's BF16 layer on AVX512-BF16 dot products (native/amx.c ktk_dp_gemm): experts of 1 to 7
@@ -572,6 +588,7 @@ def test_moe_avx512_bf16_dots(counts, monkeypatch):
     rounded to bf16 (what the dots multiply) tightly, against the plain reference within the bf16 tolerance,
     and $KTINJECT_AVX512_BF16_GROUPED=0 back on the f32 panels."""
     monkeypatch.setenv("KTINJECT_TILE_MIN", "1")
+    monkeypatch.setenv("KTINJECT_AVX512_BF16_GROUPED", "1")   # (the default on AMD only)
     (gate, up, down), (G, U, D) = moe_case(QT.BF16, QT.BF16, E=4, H=256, I=512)
     ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])[torch.randperm(sum(counts))][:, None].contiguous()
     T = ids.shape[0]

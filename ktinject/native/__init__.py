@@ -196,9 +196,10 @@ def grouped_path(isa_name: str) -> str:
 def avx512_bf16_grouped() -> bool:
     """Whether the AVX-512 path's layers of BF16 experts multiply their grouped (prefill) experts with
     AVX512-BF16 dot products (native/amx.c ktk_dp_gemm: the tokens rounded to bf16, as on AMX) rather than in
-    f32 panels: the CPU has AVX512-BF16 and $KTINJECT_AVX512_BF16_GROUPED is not 0 (docs/native.md)."""
+    f32 panels: the CPU has AVX512-BF16 and $KTINJECT_AVX512_BF16_GROUPED is 1, or unset on an AMD CPU
+    (docs/native.md: faster on Zen 4, slower on the lent Xeon)."""
     lib, _ = load()
-    return bool(lib.ktk_avx512bf16_usable()) and not os.environ.get("KTINJECT_AVX512_BF16_GROUPED", "").startswith("0")
+    return bool(lib.ktk_avx512bf16_grouped())
 
 
 def linear_path(isa_name: str) -> str:
