@@ -28,9 +28,9 @@
  *                                with the products, by software prefetch: none, T0 / T1 / T2 4-16 k-steps ahead)
  *   /tmp/amx_parts shapes       (TDPBF16PS's cost by the A tile's rows and the B tile's columns)
  * and, built with -DKTK_LAYER_TRACE added to the line above (TSC counters in moe.c):
- *   /tmp/amx_parts layer [threads] [bf16|i8|i4|bf16w|bf16t]   (one V2-Lite layer at batch 512 on AMX: each part's time
+ *   /tmp/amx_parts layer [threads] [bf16|i8|i4|bf16w|bf16t|bf16d]   (one V2-Lite layer at batch 512 on AMX: each part's time
  *                                inside it; Q4_K / Q5_0 weights on bf16 tiles, I8 or I4 copies, or BF16 weights read
- *                                in place or from tile copies) */
+ *                                in place or from tile copies, of all three or of the down only) */
 #define _GNU_SOURCE   /* CPU_SET, pthread_setaffinity_np ("conc", "streams") */
 #include "ktk_int.h"
 #if defined(__x86_64__)
@@ -369,7 +369,8 @@ static int duty(void) {
  * wall time, and each part's time summed in moe.c's counters, as a mean over the workers. */
 static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / I4 copies at the default groups;
                                                  * -1: BF16 weights (read in place by the bf16 tiles); -2: BF16
-                                                 * weights with tile copies (ktk_bt_repack) */
+                                                 * weights with tile copies (ktk_bt_repack); -3: tile copies of the
+                                                 * down only */
     const int64_t E = 64, H = 2048, I = 1408, T = 512, k = 6, CALLS = 20;
     if (nthreads < 1 || nthreads > KTK_LAYER_TRACE_T) {
         fprintf(stderr, "layer: threads must be 1-%d, not %d\n", KTK_LAYER_TRACE_T, nthreads);
@@ -380,7 +381,7 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
     uint8_t *g = random_rows(tgu, H, E * I, &rbh), *u = random_rows(tgu, H, E * I, &rbh);
     uint8_t *dn = random_rows(tdn, I, E * H, &rbi);
     ktk_moe_desc d = {tgu, tgu, tdn, E, H, I, g, u, dn, rbh, rbh, rbi, 0, 0, 0};
-    const int bt = bits == -2;
+    const int bt = bits == -2 || bits == -3, bt_first = bits == -3 ? 2 : 0;
     if (bits < 0) bits = 0;
     int err = 0;
     ktk_pool *pool = ktk_pool_new(nthreads, 1);
@@ -388,7 +389,7 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
     if (bt && pool) {   /* BF16 tile copies of the three matrices, as cpu_experts makes them with bf16_tiles */
         const uint8_t *src[3] = {g, u, dn};
         const int64_t rows[3] = {I, I, H}, n[3] = {H, H, I}, rb[3] = {rbh, rbh, rbi};
-        for (int j = 0; j < 3; j++) {
+        for (int j = bt_first; j < 3; j++) {
             cp[j] = aligned_alloc(4096, (size_t)(E * ktk_bt_expert_bytes(rows[j], n[j])));
             if (!cp[j] || ktk_bt_repack(pool, KTK_BF16, src[j], rb[j], rows[j] * rb[j], E, rows[j], n[j], cp[j])) {
                 fprintf(stderr, "layer: bt_repack %d failed\n", j);
@@ -446,7 +447,7 @@ static int layer(int nthreads, int bits) {   /* bits 0: bf16 tiles; 8 / 4: I8 / 
         double wall = (now() - t0) / CALLS * 1e3, busy = 0;
         int n = ktk_pool_threads(pool);
         printf("layer %s routing, %s, %d threads: %.2f ms per call (TSC %.2f GHz)\n", balanced ? "balanced" : "random",
-               bits == 4 ? "I4 copies" : bits == 8 ? "I8 copies" : bt ? "bf16 tiles on tile copies" : "bf16 tiles", n, wall, ghz);
+               bits == 4 ? "I4 copies" : bits == 8 ? "I8 copies" : bt_first ? "bf16 tiles, the down on tile copies" : bt ? "bf16 tiles on tile copies" : "bf16 tiles", n, wall, ghz);
         for (int p = 0; p < KTK_LAYER_TRACE_PARTS; p++) {
             double sum = 0, mx = 0;
             for (int t = 0; t < n && t < KTK_LAYER_TRACE_T; t++) {
@@ -1010,7 +1011,8 @@ int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "layer"))   /* layer [threads] [bf16|i8|i4|bf16w|bf16t] */
         return layer(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? (!strcmp(argv[3], "i4") ? 4 : !strcmp(argv[3], "i8") ? 8 :
                                                                  !strcmp(argv[3], "bf16w") ? -1 :
-                                                                 !strcmp(argv[3], "bf16t") ? -2 : 0) : 0);
+                                                                 !strcmp(argv[3], "bf16t") ? -2 :
+                                                                 !strcmp(argv[3], "bf16d") ? -3 : 0) : 0);
 #endif
     if (argc > 1 && !strcmp(argv[1], "place")) return place();
     if (argc > 1 && !strcmp(argv[1], "i8")) return i8();

@@ -2,7 +2,8 @@
 # BF16 tile copies against BF16 rows read in place, on the lent Xeon (one device call, about 5 minutes):
 # the tile unit's state (amx_parts shapes), the BF16 tile GEMM from memory on 1, 8 and 15 cores at once
 # (amx_parts streams: rows in place, tile-major, tile-major with the next block into L2), one V2-Lite layer
-# at batch 512 with each part TSC-timed (amx_parts layer bf16w / bf16t, alternated over rounds), the bench's
+# at batch 512 with each part TSC-timed (amx_parts layer bf16w / bf16t / bf16d: rows in place, tile copies of all three
+# matrices, of the down only; alternated over rounds), the bench's
 # layer both ways ($KTINJECT_AMX_BF16_TILES=0|1), the AVX-512 path's BF16 layer on AVX512-BF16 dots and on f32 panels
 # ($KTINJECT_AVX512_BF16_GROUPED=1|0), and the tests that run the copies on real tiles and the dots.
 # Usage (device): bash scripts/device_bf16_tiles.sh  (ROUNDS=3, LAYER_THREADS="15"; logs under $OUT)
@@ -18,7 +19,7 @@ tile_state
 timeout 120 /tmp/amx_parts streams 1 8 15 | tee "$OUT/streams.txt"
 for round in $(seq "${ROUNDS:-3}"); do
   for th in ${LAYER_THREADS:-15}; do
-    for v in bf16w bf16t; do
+    for v in bf16w bf16t bf16d; do
       echo "== round $round, $th threads, $v" | tee -a "$OUT/layer.txt"
       timeout 120 /tmp/amx_parts_tr layer "$th" "$v" | tee -a "$OUT/layer.txt" | grep -E "ms per call|tile GEMM"
     done

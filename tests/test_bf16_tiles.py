@@ -56,12 +56,18 @@ def test_copy_refusals():
 
 
 def test_bf16_tiles_mode(monkeypatch):
+    all3, down = ("gate", "up", "down"), ("down",)
     monkeypatch.delenv("KTINJECT_AMX_BF16_TILES", raising=False)
-    assert [nmoe.bf16_tiles_mode(v) for v in (None, True, False)] == [False, True, False]
+    assert [nmoe.bf16_tiles_mode(v) for v in (None, True, "all", "down", False)] == [(), all3, all3, down, ()]
     monkeypatch.setenv("KTINJECT_AMX_BF16_TILES", "1")
-    assert [nmoe.bf16_tiles_mode(v) for v in (None, False)] == [True, False]
+    assert [nmoe.bf16_tiles_mode(v) for v in (None, "down", False)] == [all3, down, ()]
+    monkeypatch.setenv("KTINJECT_AMX_BF16_TILES", "down")
+    assert [nmoe.bf16_tiles_mode(v) for v in (None, True)] == [down, all3]
     monkeypatch.setenv("KTINJECT_AMX_BF16_TILES", "0")
-    assert nmoe.bf16_tiles_mode(True) is False
+    assert nmoe.bf16_tiles_mode(True) == ()
+    monkeypatch.delenv("KTINJECT_AMX_BF16_TILES")
+    with pytest.raises(NativeError, match=r"bf16_tiles: 'up' is not one of True, False, None, 'all', 'down'"):
+        nmoe.bf16_tiles_mode("up")
 
 
 def _refused(caplog, mats, isa: str) -> tuple:
@@ -95,6 +101,11 @@ def test_moe_kernel_bf16_tiles_on_amx(dqt, T, monkeypatch):
     plain = native.MoEKernel(gate, up, down, threads=3, isa="amx")
     assert kern.bf16_tile_copies == (("gate", "up", "down") if dqt == QT.BF16 else ("gate", "up"))
     assert plain.bf16_tile_copies == ()
+    if dqt == QT.BF16:   # the down's copy alone (gate and up read in place): the same bits too
+        only = native.MoEKernel(gate, up, down, threads=3, isa="amx", bf16_tiles="down")
+        assert only.bf16_tile_copies == ("down",)
+    else:
+        only = plain
     x = torch.randn(T, 256)
     ids, w = torch.rand(T, 6).topk(2, dim=1).indices.contiguous(), torch.rand(T, 2)
-    assert torch.equal(kern(x, ids, w), plain(x, ids, w))
+    assert torch.equal(kern(x, ids, w), plain(x, ids, w)) and torch.equal(only(x, ids, w), plain(x, ids, w))

@@ -37,7 +37,7 @@ KNOBS: dict[str, tuple] = {
     "KTINJECT_POOL_TRACE": ("switch",),
     "KTINJECT_AMX_GU_CLAIM": ("int", 0, 64),
     "KTINJECT_AMX_INT8": ("switch",),
-    "KTINJECT_AMX_BF16_TILES": ("switch",),
+    "KTINJECT_AMX_BF16_TILES": ("choice", "0", "1", "down"),
     "KTINJECT_AVX512_BF16_GROUPED": ("switch",),
     "KTINJECT_AMX_I8_PREFETCH": ("int", 0, 32),
     "KTINJECT_AMX_I8_OVERLAP": ("switch",),

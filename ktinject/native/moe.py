@@ -347,15 +347,26 @@ def repack_bt(m: ExpertMatrix, pool: Optional[Pool] = None) -> torch.Tensor:
     return out
 
 
-def bf16_tiles_mode(bf16_tiles: Optional[bool]) -> bool:
-    """Whether to make BF16 tile copies: $KTINJECT_AMX_BF16_TILES=0 is off everywhere; `bf16_tiles` True /
-    False is on / off; else $KTINJECT_AMX_BF16_TILES=1 is on; off by default (an A/B: the copies take as much
-    RAM again as the BF16 experts, beside the GGUF pages decode reads, and have not yet been timed against the
-    rows read in place: docs/native.md, "BF16 tile copies")."""
+BF16_TILE_ROLES = {"all": ("gate", "up", "down"), "down": ("down",)}
+
+
+def bf16_tiles_mode(bf16_tiles: Union[None, bool, str]) -> tuple[str, ...]:
+    """Which BF16 matrices get tile copies: $KTINJECT_AMX_BF16_TILES=0 is none anywhere; `bf16_tiles` True (or
+    "all") / "down" / False is gate, up and down / the down only / none; else $KTINJECT_AMX_BF16_TILES=1 / down
+    says the same; none by default (an A/B: the copies take as much RAM again as the matrices copied, beside the
+    GGUF pages decode reads; on the lent Xeon they slowed the gate/up GEMM and sped up the down's: docs/native.md,
+    "BF16 tile copies")."""
     env = os.environ.get(ENV_BF16_TILES, "").strip()
     if env == "0" or bf16_tiles is False:
-        return False
-    return bool(bf16_tiles) or env == "1"
+        return ()
+    if bf16_tiles is None:
+        bf16_tiles = {"1": "all", "down": "down"}.get(env)
+    if bf16_tiles is None:
+        return ()
+    key = "all" if bf16_tiles is True else bf16_tiles
+    if key not in BF16_TILE_ROLES:
+        raise NativeError(f"bf16_tiles: {bf16_tiles!r} is not one of True, False, None, 'all', 'down'")
+    return BF16_TILE_ROLES[key]
 
 
 def int8_mode(int8_prefill: Optional[bool]) -> bool:
@@ -386,8 +397,8 @@ class MoEKernel:
     `int8_bits`: 8 (I8 copies) or 4 (I4 copies: half the bytes to read at prefill, 4 bits a weight,
     an integer sub-scale per 64 values and a scale per row and group, coarser: see docs/native.md), the
     same tiles.
-    `bf16_tiles`: True / False / None (`bf16_tiles_mode`; off unless asked): on the AMX path, BF16 gate/up
-    (both or neither) and down get tile copies (`repack_bt`: the same values, laid out as the AMX-BF16 tiles
+    `bf16_tiles`: True / "down" / False / None (`bf16_tiles_mode`; off unless asked): on the AMX path, BF16 gate/up
+    (both or neither) and down, or the down only, get tile copies (`repack_bt`: the same values, laid out as the AMX-BF16 tiles
     load them) which the grouped (prefill) path multiplies instead of reading 16 GGUF rows a tile; the same
     bits (`bf16_tile_copies` names them). I8 copies, where made, take precedence. Decode reads the GGUF rows.
     """
@@ -395,7 +406,7 @@ class MoEKernel:
     def __init__(self, gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix, threads: int = 0,
                  pool: Optional[Pool] = None, isa: Optional[str] = None, repack: Optional[bool] = None,
                  int8_prefill: Optional[bool] = None, int8_group: Union[int, Sequence[int], None] = None,
-                 int8_bits: int = 8, bf16_tiles: Optional[bool] = None):
+                 int8_bits: int = 8, bf16_tiles: Union[None, bool, str] = None):
         lib, ffi = load()
         check_env()   # the layer's $KTINJECT_* settings, which ktk_moe_new and the tile GEMMs read leniently
         bits = _check_bits(int8_bits)
@@ -470,16 +481,18 @@ class MoEKernel:
         self.int8_groups = (g_gu or i8_group(H, bits), g_dn or i8_group(I, bits)) if self.i8 else None
         self.int8_bits = bits if self.i8 else None
         self.bt: dict[str, torch.Tensor] = {}
-        if bf16_tiles_mode(bf16_tiles):
-            bf = ([("gate", gate), ("up", up)] if gate.ggml_type == up.ggml_type == GGML_BF16 else []) \
-                + ([("down", down)] if down.ggml_type == GGML_BF16 else [])
+        roles = bf16_tiles_mode(bf16_tiles)
+        if roles:
+            bf = ([("gate", gate), ("up", up)] if gate.ggml_type == up.ggml_type == GGML_BF16 and "gate" in roles
+                  else []) + ([("down", down)] if down.ggml_type == GGML_BF16 else [])
             why = None
             if self.isa != ISAS.index("amx"):
                 why = f"the {ISAS[self.isa]} path is in use"
             elif self.i8:
                 why = "int8_prefill's I8 copies are in use"
             elif not bf:
-                why = "no BF16 expert matrix here (gate and up are copied both or neither)"
+                why = ("the down is not BF16" if roles == ("down",) else
+                       "no BF16 expert matrix here (gate and up are copied both or neither)")
             else:
                 nbytes = sum(m.n_experts * bt_expert_bytes(m.rows, m.cols) for _, m in bf)
                 if not _ram_allows(nbytes):
