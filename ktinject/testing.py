@@ -164,7 +164,8 @@ def run_in_triton_interpreter(script: str, timeout: int = 300) -> None:
 def greedy_recomputed(model, prompt_ids: list[int], n: int) -> list[int]:
     """n greedy tokens after `prompt_ids`, each from a forward of the whole sequence so far (no
     cache): the reference a generation engine's cached, chunked or graph-replayed decode must equal."""
-    device = model.get_input_embeddings().weight.device
+    from .generate import _input_device
+    device = _input_device(model)   # (cpu_embedding, the -cpu packs' embedding, has no .weight)
     seq = list(prompt_ids)
     with torch.no_grad():
         for _ in range(n):

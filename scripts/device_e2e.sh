@@ -85,7 +85,7 @@ if [[ $steps == *" twogpuprof "* ]]; then   # the graph decode step, one GPU vs 
   done
 fi
 if [[ $steps == *" cpulinear "* ]]; then   # CPU-only decode on the Xeon: float32 linears vs cpu_linear (GGUF blocks)
-  for rules in deepseek-v2-cpu "cpu-linear deepseek-v2-cpu"; do
+  for rules in "cpu-float deepseek-v2-cpu" deepseek-v2-cpu; do   # (the -cpu packs include cpu-linear)
     bench v2lite deepseek-v2-lite "$rules" ${CPULINEAR_ARGS:---prompt-lengths 512,2048 --decode-tokens 32 --repeat 3}
   done
 fi

@@ -169,8 +169,8 @@ def test_a_weight_that_cannot_be_quantized_is_named(quant):
 
 
 def test_overlay_places_every_linear_and_matches_float_reference(tmp_path, monkeypatch):
-    """`cpu-linear` before a -cpu pack: every Linear (attention, shared experts, lm_head) becomes
-    cpu_linear; with f32 rows the logits are the -cpu pack's. (The routed experts take their f32 row dots
+    """`cpu-linear` (part of the -cpu packs; here before one with `cpu-float`'s reference): every Linear (attention, shared experts, lm_head) becomes
+    cpu_linear; with f32 rows the logits are the float overlay's. (The routed experts take their f32 row dots
     in both models: on the grouped path, AMX tiles and AVX512-BF16 dots round the tokens to bf16, which
     would turn the linears' last-bit differences into bf16 steps.)"""
     from ktinject import optimize_and_load
@@ -181,7 +181,8 @@ def test_overlay_places_every_linear_and_matches_float_reference(tmp_path, monke
     exact.write_text("version: 1\nrules:\n  - match: {class: Linear}\n"
                      "    replace: {op: cpu_linear, device: cpu, kwargs: {quant: f32, gemv_max_tokens: 8}}\n")
     ours, _ = optimize_and_load(d, [str(exact), "qwen2-moe-cpu"])
-    ref, _ = optimize_and_load(d, "qwen2-moe-cpu")
+    ref, _ = optimize_and_load(d, ["cpu-float", "qwen2-moe-cpu"])
+    assert not any(type(m).__name__ == "CpuLinear" for m in ref.modules())
     lin = [n for n, m in ours.named_modules() if type(m).__name__ == "CpuLinear"]
     assert "lm_head" in lin and any(n.endswith("self_attn.q_proj") for n in lin)
     ids = torch.randint(3, 400, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -189,11 +190,11 @@ def test_overlay_places_every_linear_and_matches_float_reference(tmp_path, monke
         for cut in (24, 3):                                   # the dequantize path, the dot path
             a, b = ours(ids[:, :cut]).logits, ref(ids[:, :cut]).logits
             assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
-    auto, _ = optimize_and_load(d, ["cpu-linear", "qwen2-moe-cpu"])
+    auto, _ = optimize_and_load(d, "qwen2-moe-cpu")                  # the pack as shipped
     assert auto.lm_head.ggml_type == int(QT.F32)                     # float32 safetensors: kept exact
 
 
-@pytest.mark.parametrize("overlay,first", [("cpu-linear", True), (None, False)])
+@pytest.mark.parametrize("overlay,first", [(None, True), ("cpu-linear", True), ("cpu-float", False)])
 def test_cpu_block_runs_pool_shared_experts_before_the_routed_ones(tmp_path, overlay, first):
     """On the CPU, shared experts that are cpu_linear (native pool) run before the routed experts
     are submitted (overlapped, they would find the pool busy and run on one thread); float ones
@@ -224,7 +225,7 @@ def test_cpu_block_runs_pool_shared_experts_before_the_routed_ones(tmp_path, ove
 def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, preset):
     """A GGUF loaded with `cpu-linear`: each linear keeps its tensor in the file's type (the
     operator test above checks that no copy is made); logits as close to the dequantized
-    transformers model as the -cpu pack's."""
+    transformers model as the float overlay's."""
     from ktinject import optimize_and_load
     from ktinject.testing import save_tiny
     from ktinject.weights import gguf_write, open_source
@@ -244,7 +245,7 @@ def test_gguf_weights_are_read_where_the_file_holds_them(tmp_path, family, prese
     with torch.no_grad():
         got, want = model(ids).logits, reference(path)(ids).logits
         one = model(ids[:, :4]).logits                               # the dot path (few tokens)
-    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2     # the dequantize path: as the -cpu pack
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2     # the dequantize path: as cpu-float
     # the dot path rounds activations to 8 bits: ~3% per position in these tiny random models,
     # more where that flips a routing decision (llama.cpp's CPU path does the same)
     per_pos = ((one - want[:, :4]).abs().amax(-1) / want[:, :4].abs().amax(-1))[0]

@@ -1,7 +1,8 @@
 """optimize_and_load on tiny safetensors models of the five families, through each pack's CPU layout.
 
 The `-cpu` packs run the routed experts through the native `cpu_experts` kernels inside the `moe`
-block (and DeepSeek attention through `mla_attention`). With the experts stored as f32 (a one-rule
+block (and DeepSeek attention through `mla_attention`; every Linear as `cpu_linear`, which keeps float32
+rows as they are, or with the `cpu-float` overlay torch's own). With the experts stored as f32 (a one-rule
 overlay) the loaded model runs the same float32 maths as the unmodified transformers model, only
 grouped differently (sum order), so logits agree to 1e-4 absolute (observed ~3e-6 with
 |logits| ~ 5). With the packs' default bf16 expert storage, the rounding of the expert weights
@@ -14,6 +15,7 @@ import torch
 
 from ktinject import optimize_and_load
 from ktinject.operators.cpu_experts import CpuExperts
+from ktinject.operators.cpu_linear import CpuLinear
 from ktinject.operators.experts import TorchExperts
 from ktinject.operators.linear import TorchLinear
 from ktinject.operators.moe import OverlappedMoe
@@ -54,7 +56,7 @@ def _ids(n=16, seed=0):
 
 
 F32_EXPERTS = """version: 1
-include: [{pack}]
+include: [{overlay}{pack}]
 rules:
   - match: {{name: 'model\\.layers\\.\\d+\\.mlp\\.experts'}}
     replace: {{op: cpu_experts, device: cpu, kwargs: {{quant: f32, threads: 2}}}}
@@ -62,8 +64,11 @@ rules:
 """
 
 
+@pytest.mark.parametrize("dense", ["cpu_linear", "float"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpu_pack_logits_equal_reference(family, model_dirs, tmp_path, monkeypatch):
+def test_cpu_pack_logits_equal_reference(family, dense, model_dirs, tmp_path, monkeypatch):
+    # the pack as shipped (float32 safetensors: cpu_linear keeps the float32 rows, multiplied exactly)
+    # and with the cpu-float overlay (torch's own linears)
     # f32 experts to f32 accuracy: on an AMX machine the grouped (prompt) path would multiply them on bf16 tiles
     # (docs/native.md), so the best other path runs them here; the tiles' accuracy is the next test's
     from ktinject import native
@@ -71,13 +76,14 @@ def test_cpu_pack_logits_equal_reference(family, model_dirs, tmp_path, monkeypat
         monkeypatch.setenv("KTINJECT_ISA", native.usable_isas()[-2])
     ref = build_tiny(family)
     rules = tmp_path / "f32.yaml"
-    rules.write_text(F32_EXPERTS.format(pack=family.replace("_", "-") + "-cpu"))
+    rules.write_text(F32_EXPERTS.format(pack=family.replace("_", "-") + "-cpu",
+                                        overlay="cpu-float, " if dense == "float" else ""))
     model, tok = optimize_and_load(model_dirs[family], str(rules))
     assert model.ktinject_plan.totals.keys() == {"cpu"}
     experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
     assert len(experts) == sum(1 for n, _ in ref.named_modules() if n.endswith("mlp.experts"))
     assert len([m for m in model.modules() if isinstance(m, OverlappedMoe)]) == len(experts)
-    assert isinstance(model.lm_head, TorchLinear)
+    assert isinstance(model.lm_head, TorchLinear if dense == "float" else CpuLinear)
     assert all(not p.is_meta for p in model.parameters())
     ids = _ids()
     with torch.no_grad():

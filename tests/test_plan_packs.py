@@ -9,6 +9,7 @@ import torch
 
 from ktinject.errors import PlacementError, RuleError
 from ktinject.rules.plan import plan
+from ktinject.rules.skeleton import build_skeleton
 from ktinject.testing import FAMILIES, tiny_config
 
 PACK = {f: f.replace("_", "-") for f in FAMILIES}
@@ -73,13 +74,25 @@ def test_cpu_overlay_moves_everything_to_cpu(family):
     assert {e.device for e in p.entries} == {"cpu"}
     assert p.default_dtype == "float32"                  # the CPU overlays keep float32
     hybrid = plan(tiny_config(family), PACK[family], dtype=torch.float32)
-    assert sum(p.totals.values()) == sum(hybrid.totals.values())
-    # the same rules, same lines, except the experts' own rule (every core: no GPU to drive)
-    ours = [e.rule for e in p.matched]
-    assert [r for r in ours if "-cpu.yaml" not in r] == [e.rule for e in hybrid.matched
-                                                       if not e.name.endswith("mlp.experts")]
+    assert sum(p.totals.values()) == sum(hybrid.totals.values())   # (cpu_linear plans `auto` at float size)
+    # every Linear cpu_linear and the embedding cpu_embedding (the cpu-linear rules, which win over the
+    # family's lm_head and embedding rules); otherwise the family's rules, except the experts' own rule
+    # (every core: no GPU to drive)
+    skeleton = build_skeleton(tiny_config(family))
+    linears = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)}
+    ops = {e.name: e.op for e in p.matched}
+    assert linears and all(ops.get(n) == "cpu_linear" for n in linears)
+    assert ops["model.embed_tokens"] == "cpu_embedding"
+    ours = [e.rule for e in p.matched if "-cpu.yaml" not in e.rule and "cpu-linear.yaml" not in e.rule]
+    assert ours == [e.rule for e in hybrid.matched if not e.name.endswith("mlp.experts")
+                    and e.name not in linears and e.name != "model.embed_tokens"]
     assert {e.kwargs.get("threads", 0) for e in p.matched if e.name.endswith("mlp.experts")} == {0}
     assert {e.kwargs.get("threads") for e in hybrid.matched if e.name.endswith("mlp.experts")} == {-1}
+    # with cpu-float first, the float layout: the family's own rules for the linears and the embedding
+    floats = plan(tiny_config(family), ["cpu-float", PACK[family] + "-cpu"])
+    fops = {e.name: e.op for e in floats.matched}
+    assert fops["lm_head"] == "linear" and fops["model.embed_tokens"] == "keep"
+    assert "cpu_linear" not in fops.values() and "cpu_embedding" not in fops.values()
 
 
 def test_first_match_wins_and_inheritance(tmp_path):
