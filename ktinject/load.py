@@ -60,13 +60,13 @@ def optimize_and_load(model_path: Union[str, Path], rules: Any, *, dtype: Union[
     config = weights.load_config(model_path, config_dir)
     root_dtype = tdtype or DTYPES.get(ruleset.default_dtype or "") or config_dtype(config)
     skeleton = build_skeleton(config, root_dtype)
-    the_plan = plan(skeleton, ruleset, dtype=root_dtype, check_devices=True)
     ties = _ties(skeleton)
-    apply(skeleton, the_plan, config)
     source = weights.open_source(model_path, config)
     if ties:
         source = _TiedSource(source, ties)
-    try:
+    try:   # (the plan counts the bytes a GGUF file holds for the operators that keep its blocks)
+        the_plan = plan(skeleton, ruleset, dtype=root_dtype, check_devices=True, stored=getattr(source, "stored", None))
+        apply(skeleton, the_plan, config)
         load_into(skeleton, the_plan, source, ties)
     finally:
         close = getattr(source, "close", None)
@@ -140,6 +140,11 @@ class _TiedSource(Mapping):
 
     def __contains__(self, key: object) -> bool:
         return key in self.source or (key in self.ties and self.ties[key] in self.source)
+
+    @property
+    def stored(self):
+        inner = getattr(self.source, "stored", None)
+        return (lambda key: inner(self._key(key))) if inner is not None else None
 
     def __iter__(self):
         return iter(self.source)

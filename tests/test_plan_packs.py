@@ -246,3 +246,43 @@ def test_overridden_rules_are_reported_apart_from_unmatched(tmp_path):
     assert len(p.overridden_rules) == 1 and "qwen3-moe.yaml" in p.overridden_rules[0] \
         and "lm_head" in p.overridden_rules[0]
     assert p.to_dict()["overridden_rules"] == list(p.overridden_rules)
+
+
+def test_plan_counts_the_gguf_bytes_the_cpu_operators_keep(tmp_path):
+    """With a GGUF file's header (`stored`, as `ktinject explain` and the loader pass it), the operators that keep
+    the file's blocks count the file's bytes: cpu_experts its two stacked tensors, cpu_linear and cpu_embedding
+    their weight; the `moe` and `mla_attention` blocks above them count nothing of what their children hold.
+    Without it the plan counts upper bounds (float sizes, the bf16 conversion)."""
+    from ktinject import optimize_and_load
+    from ktinject.testing import save_tiny
+    from ktinject.weights import gguf_write, open_source
+    path = gguf_write.convert_model(save_tiny("deepseek_v2", tmp_path / "hf"), tmp_path / "m.gguf", "q4_k_m",
+                                    progress=False)[0]
+    src = open_source(path)
+    try:
+        config = src.config
+        p = plan(config, "deepseek-v2-cpu", stored=src.stored)
+        upper = plan(config, "deepseek-v2-cpu")
+        by = {e.name: e for e in p.entries}
+        assert by["model.layers.0.self_attn.kv_b_proj"].op == "cpu_linear"
+        for e in p.entries:
+            n = sum(e.bytes.values())
+            if e.op == "cpu_experts":
+                assert n == src.stored(e.name + ".gate_up_proj").nbytes + src.stored(e.name + ".down_proj").nbytes
+            elif e.op in ("cpu_linear", "cpu_embedding"):
+                bias = 4 * src[e.name + ".bias"].numel() if e.name + ".bias" in src else 0
+                st = src.stored(e.name + ".weight")
+                if st.layout == "plain":
+                    assert n == st.nbytes + bias, e.name
+                else:   # (kv_b_proj, split in two in the file, is joined at load: its float size)
+                    assert n == sum(x.bytes["cpu"] for x in upper.entries if x.name == e.name), e.name
+            elif e.op in ("moe", "mla_attention"):
+                assert n == 0, (e.name, e.bytes)
+        assert by["model.layers.1.mlp.experts"].op == "cpu_experts"
+        file_bytes = sum(src.stored(k).nbytes for k in src)
+        assert file_bytes <= p.totals["cpu"] < 1.25 * file_bytes   # (kv_b_proj, norms and router in float32)
+        assert upper.totals["cpu"] > 1.5 * p.totals["cpu"]
+    finally:
+        src.close()
+    model, _ = optimize_and_load(path, "deepseek-v2-cpu", tokenizer=False)
+    assert model.ktinject_plan.totals == p.totals

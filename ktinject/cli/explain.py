@@ -25,7 +25,13 @@ def run(args) -> int:
     quiet = console if not args.json else _Null()
     rules = pick_rules(args.rules, path, quiet, args.config_dir)
     config = load_config(path, args.config_dir)
-    p = plan(config, rules, dtype=DTYPES.get(args.dtype or ""), check_devices=args.check_devices)
+    source = _gguf_source(path, config)
+    try:
+        p = plan(config, rules, dtype=DTYPES.get(args.dtype or ""), check_devices=args.check_devices,
+                 stored=source.stored if source is not None else None)
+    finally:
+        if source is not None:
+            source.close()
     if args.json:
         console.out(p.to_json(indent=1), highlight=False)
         return 0
@@ -67,6 +73,13 @@ def run(args) -> int:
     else:
         console.print("[green]every rule matched at least one module[/]")
     return 0
+
+
+def _gguf_source(path, config):
+    """A GGUF model's source (its header: the bytes the operators that keep the file's blocks will map);
+    None for other formats, where the plan counts those operators' upper bounds."""
+    from ..weights import detect_format, open_source
+    return open_source(path, config) if detect_format(path).name == "gguf" else None
 
 
 def _subtree_bytes(p) -> dict[str, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Container, Mapping, Optional
 
 import torch
 from torch import nn
@@ -36,6 +36,30 @@ class BuildContext:
     dtype: Optional[torch.dtype]       # compute/storage dtype for dense weights (None: keep)
     config: Any                        # the model's transformers PretrainedConfig
     options: Any                       # an instance of the operator's Options dataclass
+    stored: Optional[Callable[[str], Optional["Stored"]]] = None   # the weight file's header (None: config only)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a weight file holds for one checkpoint key, read from its header alone (no tensor data):
+    the layout that maps it (weights/gguf_names.py: plain, gate_up, stacked, ...) and the GGML type and
+    byte count of each file tensor behind it."""
+    layout: str
+    parts: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.parts)
+
+
+def stored_bytes(ctx: BuildContext, key: str, kept: Container[int], layouts: tuple[str, ...] = ("plain",)) -> Optional[int]:
+    """The file's bytes for `key` when an operator keeps them as stored (zero copy from the mapping): every
+    tensor behind it of a GGML type in `kept`, mapped by one of `layouts`. None when the plan has no file
+    (a config only, a safetensors directory) or the operator would convert them: its upper bound then."""
+    info = ctx.stored(key) if ctx.stored is not None else None
+    if info is None or info.layout not in layouts or not all(t in kept for t, _ in info.parts):
+        return None
+    return info.nbytes
 
 
 def module_matches(module: nn.Module, class_names: tuple[str, ...]) -> bool:

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .base import BuildContext, Operator, source_weight, whole_block_rows
-from .cpu_experts import NATIVE_TYPES
+from .base import BuildContext, Operator, source_weight, stored_bytes, whole_block_rows
+from .cpu_experts import KEPT_TYPES, NATIVE_TYPES
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,12 @@ class CpuEmbedding(Operator):
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
-        """The plan cannot see the file's tensor type: it counts the dense size, an upper bound
-        (a GGUF table kept in Q4_K blocks is 7x smaller than float32)."""
+        """The file's bytes where the plan sees a GGUF table in blocks the kernels read (kept as stored),
+        else the dense size, an upper bound (a GGUF table kept in Q4_K blocks is 7x smaller than float32)."""
+        from .. import native
+        kept = stored_bytes(ctx, ctx.name + ".weight", KEPT_TYPES) if native.available() else None
+        if kept is not None:
+            return {"cpu": kept}
         dtype = ctx.dtype or original.weight.dtype
         return {"cpu": original.weight.numel() * dtype.itemsize}
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import LoadError, ModelError, NativeError, UnsupportedQuantError
 from ..weights.tensor import FusedTensor, GGMLTensor, logical_shape
-from .base import BuildContext, Operator
+from .base import BuildContext, Operator, stored_bytes
 from .experts import EXPERT_CLASSES as FUSED_EXPERT_CLASSES, fused_expert_shape
 from .registry import register
 
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # GGML type ids the native kernels compute on (gguf.GGMLQuantizationType values).
 NATIVE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q5_0": 6, "q8_0": 8, "q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13, "q6_k": 14, "iq4_xs": 23, "bf16": 30}
+# GGUF block types the layer keeps as the file stores them (float GGUF tensors are converted to `quant`)
+KEPT_TYPES = frozenset(v for k, v in NATIVE_TYPES.items() if k not in ("f32", "f16", "bf16"))
 # Dense-source conversions: name -> bits per weight (for the plan's byte count).
 CONVERT_BITS = {"f32": 32.0, "bf16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
 ISAS = ("scalar", "avx2", "avx512", "amx")
@@ -139,8 +141,21 @@ class CpuExperts(Operator):
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
         opts = ctx.options or CpuExpertsOptions()
-        n = sum(p.numel() for p in original.parameters())
-        return {"cpu": int(n * CONVERT_BITS[opts.quant] / 8)}
+        return {"cpu": cls.routed_bytes(original, ctx.name, ctx, opts.quant)}
+
+    @staticmethod
+    def routed_bytes(experts: nn.Module, name: str, ctx: BuildContext, quant: str) -> int:
+        """The experts' bytes in RAM: the file's own where the plan sees a GGUF file whose blocks the
+        kernels read (mapped, zero copy; load-time copies such as R16 or I8 not counted), else the
+        weights converted to `quant`."""
+        total = 0
+        for key, layouts in (("gate_up_proj", ("plain", "gate_up")), ("down_proj", ("plain",))):
+            p = getattr(experts, key, None)
+            if not isinstance(p, torch.Tensor):   # (a class whose weights are named otherwise: convert all)
+                return int(sum(q.numel() for q in experts.parameters()) * CONVERT_BITS[quant] / 8)
+            kept = stored_bytes(ctx, f"{name}.{key}", KEPT_TYPES, layouts)
+            total += kept if kept is not None else int(p.numel() * CONVERT_BITS[quant] / 8)
+        return total
 
     # ---------------------------------------------------------------- loading
 

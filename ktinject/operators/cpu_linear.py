@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import LoadError
-from .base import BuildContext, Operator, source_weight, whole_block_rows
+from .base import BuildContext, Operator, source_weight, stored_bytes, whole_block_rows
 from .cpu_experts import CONVERT_BITS, NATIVE_TYPES
 from .registry import register
 
@@ -125,12 +125,17 @@ class CpuLinear(Operator):
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
-        """With `quant: auto` the plan cannot see the file's tensor types: it counts the float size,
-        an upper bound (a GGUF weight kept in its blocks is 2-7x smaller)."""
+        """With `quant: auto`: the file's bytes where the plan sees a GGUF file and the weight is of a type the
+        kernels read (kept as stored, zero copy); else the float size, an upper bound (a GGUF weight kept in
+        its blocks is 2-7x smaller)."""
         opts = ctx.options or CpuLinearOptions()
+        bias = original.out_features * 4 if original.bias is not None else 0
+        kept = stored_bytes(ctx, ctx.name + ".weight", NATIVE_TYPES.values()) if opts.quant == "auto" else None
+        if kept is not None:
+            return {"cpu": kept + bias}
         n = original.weight.numel()
         bits = QUANTS[opts.quant][1] if opts.quant != "auto" else (ctx.dtype or original.weight.dtype).itemsize * 8
-        return {"cpu": int(n * bits / 8) + (original.out_features * 4 if original.bias is not None else 0)}
+        return {"cpu": int(n * bits / 8) + bias}
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
         from .. import native

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .base import BuildContext, Operator, module_matches
-from .cpu_experts import CONVERT_BITS, CpuExperts, CpuExpertsOptions
+from .cpu_experts import CpuExperts, CpuExpertsOptions
 from .kernels import triton_available
 from .kernels.mlp_triton import fusable_mlp, fuse_gate_up, fused_mlp, gate_up_views
 from .kernels.router_triton import FLOAT_DTYPES, RouterSpec, fused_route, router_spec
@@ -114,7 +114,7 @@ class OverlappedMoe(Operator):
             cpu = torch.device("cpu")
             sub = BuildContext(f"{ctx.name}.experts", cpu, cpu, cpu, None, ctx.config,
                                CpuExpertsOptions(opts.threads, opts.quant, opts.isa, opts.convert_unsupported,
-                                                 repack=opts.repack))
+                                                 repack=opts.repack), ctx.stored)
             experts = CpuExperts.build(experts, sub)
         return cls(original, experts, family, ctx.device, ctx.dtype, ctx.name, ctx.options or MoeOptions())
 
@@ -125,9 +125,8 @@ class OverlappedMoe(Operator):
             if not name.startswith("experts."):
                 own += p.numel() * (ctx.dtype or p.dtype).itemsize
         opts = ctx.options or MoeOptions()
-        routed = sum(p.numel() for p in original.experts.parameters())
         out = {str(ctx.device): own}
-        out["cpu"] = out.get("cpu", 0) + int(routed * CONVERT_BITS[opts.quant] / 8)
+        out["cpu"] = out.get("cpu", 0) + CpuExperts.routed_bytes(original.experts, f"{ctx.name}.experts", ctx, opts.quant)
         return out
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:

@@ -960,14 +960,14 @@ class StreamedExperts(Operator):
     def build(cls, original: nn.Module, ctx: BuildContext) -> nn.Module:
         opts = ctx.options or StreamedExpertsOptions()
         sub = BuildContext(ctx.name, ctx.device, ctx.prefill_device, ctx.generate_device, ctx.dtype, ctx.config,
-                           opts.cpu_options())
+                           opts.cpu_options(), ctx.stored)
         return cls(CpuExperts.build(original, sub), opts, ctx.name)
 
     @classmethod
     def planned_bytes(cls, original: nn.Module, ctx: BuildContext) -> dict[str, int]:
         opts = ctx.options or StreamedExpertsOptions()
         sub = BuildContext(ctx.name, ctx.device, ctx.prefill_device, ctx.generate_device, ctx.dtype, ctx.config,
-                           opts.cpu_options())
+                           opts.cpu_options(), ctx.stored)
         return CpuExperts.planned_bytes(original, sub)
 
     @classmethod

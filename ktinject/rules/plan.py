@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -113,12 +113,15 @@ def dtype_name(d: torch.dtype) -> str:
 
 
 def plan(config_or_skeleton: Any, rules: Any, *, dtype: Optional[torch.dtype] = None,
-         check_devices: bool = False) -> Plan:
+         check_devices: bool = False, stored: Optional[Callable[[str], Any]] = None) -> Plan:
     """Plan `rules` (a RuleSet, paths or pack names) over a model config or a skeleton module.
 
     `dtype` overrides the rule files' `defaults.dtype` (rules with their own `dtype` still win).
     `check_devices=True` (the loader's setting) also requires each planned CUDA device to exist:
     otherwise the rule's `fallback_device` is used and recorded, or a PlacementError is raised.
+    `stored` (a GGUF source's `stored`: key -> `Stored` from the file's header) lets the operators that
+    keep the file's blocks (`cpu_experts`, `cpu_linear`, `cpu_embedding`, `moe`) count the bytes the file
+    holds; without it they count their upper bound (the float or conversion size).
     """
     ruleset = load_rules(rules)
     skeleton = config_or_skeleton if isinstance(config_or_skeleton, nn.Module) else None
@@ -126,7 +129,7 @@ def plan(config_or_skeleton: Any, rules: Any, *, dtype: Optional[torch.dtype] = 
     root_dtype = dtype or DTYPES.get(ruleset.default_dtype or "") or config_dtype(config)
     if skeleton is None:
         skeleton = build_skeleton(config, root_dtype)
-    walker = _Walker(ruleset, config, check_devices)
+    walker = _Walker(ruleset, config, check_devices, stored)
     root_device = ruleset.default_device or "cpu"
     walker.check_inherited(root_device, "defaults.device")
     walker.walk(skeleton, "", root_device, root_device, dtype_name(root_dtype))
@@ -158,8 +161,8 @@ def own_bytes(module: nn.Module, dtype: torch.dtype, recurse: bool) -> int:
 
 
 class _Walker:
-    def __init__(self, ruleset: RuleSet, config: Any, check_devices: bool):
-        self.rules, self.config, self.check = ruleset.rules, config, check_devices
+    def __init__(self, ruleset: RuleSet, config: Any, check_devices: bool, stored: Optional[Callable[[str], Any]] = None):
+        self.rules, self.config, self.check, self.stored = ruleset.rules, config, check_devices, stored
         self.entries: list[PlanEntry] = []
         self.used: set[int] = set()
         self.shadowed: set[int] = set()        # rules that matched a module an earlier rule had taken
@@ -198,15 +201,23 @@ class _Walker:
             entry = self.matched_entry(rule, module, name, pre_dev, gen_dev, dtype)
             recurse = entry.recursive
         child_bytes: dict[str, int] = {}
+        counted: dict[str, int] = {}   # what the op itself may have counted for its children's subtrees
         if recurse:
             for child_name, child in module.named_children():
                 full = f"{name}.{child_name}" if name else child_name
-                for dev, n in self.walk(child, full, entry.prefill_device, entry.device, entry.dtype).items():
+                got = self.walk(child, full, entry.prefill_device, entry.device, entry.dtype)
+                for dev, n in got.items():
                     child_bytes[dev] = child_bytes.get(dev, 0) + n
+                if len(got) == 1:   # a child that keeps a file's blocks counts less than the op's float view of it
+                    (dev, n), = got.items()
+                    got = {dev: max(n, own_bytes(child, DTYPES[entry.dtype], True))}
+                for dev, n in got.items():
+                    counted[dev] = counted.get(dev, 0) + n
         if rule is not None and entry.recursive and (entry.op != registry.KEEP or entry.prefill_op != registry.KEEP):
-            # the op counted its whole subtree; its planned descendants count their own share, device by device
+            # the op counted its whole subtree (in its dtype, or as it converts it); its planned descendants
+            # count their own share, device by device
             b = dict(entry.bytes)
-            for dev, n in child_bytes.items():
+            for dev, n in counted.items():
                 if dev in b:
                     b[dev] = max(0, b[dev] - n)
             entry = PlanEntry(**{**entry.__dict__, "bytes": b})
@@ -265,7 +276,8 @@ class _Walker:
                 b = {device: own_bytes(module, tdtype, not recursive)}
             else:
                 ctx = BuildContext(name, torch.device(device), torch.device(resolved["prefill"][2]),
-                                   torch.device(resolved["generate"][2]), tdtype, self.config, choice.options)
+                                   torch.device(resolved["generate"][2]), tdtype, self.config, choice.options,
+                                   self.stored)
                 b = op_cls.planned_bytes(module, ctx)
             for dev, n in b.items():
                 nbytes[dev] = nbytes.get(dev, 0) + int(n)

@@ -308,6 +308,17 @@ class GGUFSource(Mapping):
     def __contains__(self, key) -> bool:             # without building the value
         return key in self.bindings
 
+    def stored(self, key: str):
+        """The layout and the (GGML type, bytes) of each file tensor behind `key`, from the header (no
+        tensor data read; None for a key the file lacks): what `plan` counts for operators that keep
+        the file's blocks (`ktinject explain`)."""
+        from ..operators.base import Stored
+        binding = self.bindings.get(key)
+        if binding is None:
+            return None
+        info = [self.model.where[n].tensors[n] for n in binding.gguf]
+        return Stored(binding.layout, tuple((int(t[0]), int(t[3])) for t in info))
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.bindings)
 
