@@ -62,6 +62,14 @@ def test_float_weights_and_load_errors():
     assert op.ggml_type == -1
     ids = torch.tensor([3, 299])
     assert torch.equal(op(ids), w[ids])
+    # a bf16 table stays bf16 (zero copy), its rows cast to the model's float32; a float32 table in a bf16
+    # model is narrowed once
+    wb = w.bfloat16()
+    op = _op(wb)
+    assert op.dense.dtype == torch.bfloat16 and op.dense.data_ptr() == wb.data_ptr()
+    assert op(ids).dtype == torch.float32 and torch.equal(op(ids), wb[ids].float())
+    op = _op(w, dtype=torch.bfloat16)
+    assert op.dense.dtype == torch.bfloat16 and torch.equal(op(ids), w[ids].bfloat16())
     with pytest.raises(LoadError, match="shape differs"):
         _op(torch.randn(301, 512))
     with pytest.raises(LoadError, match="not found"):

@@ -6,8 +6,9 @@ load dequantizes all of it (2.9 s on two cores of the development machine). This
 the file's rows as they are (memory-mapped, no copy) and dequantizes only the rows of the tokens
 it is given, with the native kernels: `y[i] = dequant(row ids[i])`, as nn.Embedding would return
 from the dequantized table (to the native dequantization's rounding, within 1e-6 of gguf's). Float
-weights from safetensors, and GGUF types the native kernels cannot read, are kept dense in the
-model's dtype and looked up by torch. Token ids outside the table raise an error naming the id and the
+weights (safetensors, or F16 / BF16 / F32 GGUF tensors) are kept dense as stored where that type is no
+wider than the model's (a bf16 table stays bf16, zero copy from the mapping, its looked-up rows cast to the
+model's dtype), GGUF types the native kernels cannot read dense in the model's dtype; torch looks them up. Token ids outside the table raise an error naming the id and the
 table size, where nn.Embedding would raise an index error from deep inside torch.
 """
 from __future__ import annotations
@@ -68,10 +69,12 @@ class CpuEmbedding(Operator):
         """The file's bytes where the plan sees a GGUF table in blocks the kernels read (kept as stored),
         else the dense size, an upper bound (a GGUF table kept in Q4_K blocks is 7x smaller than float32)."""
         from .. import native
-        kept = stored_bytes(ctx, ctx.name + ".weight", KEPT_TYPES) if native.available() else None
+        dtype = ctx.dtype or original.weight.dtype
+        width = dtype.itemsize if dtype.is_floating_point else 4   # float tables kept as stored up to this width
+        floats = [NATIVE_TYPES[n] for n, size in (("f32", 4), ("f16", 2), ("bf16", 2)) if size <= width]
+        kept = stored_bytes(ctx, ctx.name + ".weight", {*KEPT_TYPES, *floats} if native.available() else floats)
         if kept is not None:
             return {"cpu": kept}
-        dtype = ctx.dtype or original.weight.dtype
         return {"cpu": original.weight.numel() * dtype.itemsize}
 
     def load_weights(self, prefix: str, source: Mapping[str, Any]) -> set[str]:
@@ -89,7 +92,10 @@ class CpuEmbedding(Operator):
             if isinstance(t, GGMLTensor):
                 log.info("%s: %s table kept dense in %s (%s)", key, t.type_name, self.dtype,
                          "no native library" if not native.available() else "a type the native kernels do not read")
-            self.dense = as_dense(t).to(torch.device("cpu"), self.dtype).reshape(want).contiguous()
+            dense = as_dense(t)
+            if isinstance(t, GGMLTensor) or not dense.is_floating_point() or dense.element_size() > self.dtype.itemsize:
+                dense = dense.to(self.dtype)
+            self.dense = dense.to(torch.device("cpu")).reshape(want).contiguous()
         return {key}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -104,7 +110,7 @@ class CpuEmbedding(Operator):
                 raise IndexError(f"{self.name or 'cpu_embedding'}: token id {bad} is outside the table of "
                                  f"{self.num_embeddings} rows")
         if self.ggml_type < 0:
-            out = self.dense.index_select(0, flat)
+            out = self.dense.index_select(0, flat).to(self.dtype)
         else:
             rows = self.qweight.index_select(0, flat)
             out = native.dequant_rows(self._pool, self.ggml_type, rows, self.embedding_dim).to(self.dtype)
