@@ -21,6 +21,8 @@ from typing import Any, Callable, ClassVar, Container, Mapping, Optional
 import torch
 from torch import nn
 
+from ..weights.tensor import Stored
+
 
 @dataclass(frozen=True)
 class NoOptions:
@@ -36,20 +38,7 @@ class BuildContext:
     dtype: Optional[torch.dtype]       # compute/storage dtype for dense weights (None: keep)
     config: Any                        # the model's transformers PretrainedConfig
     options: Any                       # an instance of the operator's Options dataclass
-    stored: Optional[Callable[[str], Optional["Stored"]]] = None   # the weight file's header (None: config only)
-
-
-@dataclass(frozen=True)
-class Stored:
-    """What a weight file holds for one checkpoint key, read from its header alone (no tensor data):
-    the layout that maps it (weights/gguf_names.py: plain, gate_up, stacked, ...) and the GGML type and
-    byte count of each file tensor behind it."""
-    layout: str
-    parts: tuple[tuple[int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, n in self.parts)
+    stored: Optional[Callable[[str], Optional[Stored]]] = None   # the weight file's header (None: config only)
 
 
 def stored_bytes(ctx: BuildContext, key: str, kept: Container[int], layouts: tuple[str, ...] = ("plain",)) -> Optional[int]:

@@ -7,9 +7,10 @@ the file's rows as they are (memory-mapped, no copy) and dequantizes only the ro
 it is given, with the native kernels: `y[i] = dequant(row ids[i])`, as nn.Embedding would return
 from the dequantized table (to the native dequantization's rounding, within 1e-6 of gguf's). Float
 weights (safetensors, or F16 / BF16 / F32 GGUF tensors) are kept dense as stored where that type is no
-wider than the model's (a bf16 table stays bf16, zero copy from the mapping, its looked-up rows cast to the
-model's dtype), GGUF types the native kernels cannot read dense in the model's dtype; torch looks them up. Token ids outside the table raise an error naming the id and the
-table size, where nn.Embedding would raise an index error from deep inside torch.
+wider than the model's (a bf16 table stays bf16, zero copy from the mapping, its looked-up rows cast to
+the model's dtype), GGUF types the native kernels cannot read dense in the model's dtype; torch looks
+them up. Token ids outside the table raise an error naming the id and the table size, where
+nn.Embedding would raise an index error from deep inside torch.
 """
 from __future__ import annotations
 

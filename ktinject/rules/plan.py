@@ -200,6 +200,9 @@ class _Walker:
         else:
             entry = self.matched_entry(rule, module, name, pre_dev, gen_dev, dtype)
             recurse = entry.recursive
+        # an op counted its whole subtree (in its dtype, or as it converts it); its planned descendants
+        # count their own share, which is subtracted from the op's, device by device
+        subtracts = rule is not None and entry.recursive and (entry.op != registry.KEEP or entry.prefill_op != registry.KEEP)
         child_bytes: dict[str, int] = {}
         counted: dict[str, int] = {}   # what the op itself may have counted for its children's subtrees
         if recurse:
@@ -208,14 +211,14 @@ class _Walker:
                 got = self.walk(child, full, entry.prefill_device, entry.device, entry.dtype)
                 for dev, n in got.items():
                     child_bytes[dev] = child_bytes.get(dev, 0) + n
+                if not subtracts:
+                    continue
                 if len(got) == 1:   # a child that keeps a file's blocks counts less than the op's float view of it
                     (dev, n), = got.items()
                     got = {dev: max(n, own_bytes(child, DTYPES[entry.dtype], True))}
                 for dev, n in got.items():
                     counted[dev] = counted.get(dev, 0) + n
-        if rule is not None and entry.recursive and (entry.op != registry.KEEP or entry.prefill_op != registry.KEEP):
-            # the op counted its whole subtree (in its dtype, or as it converts it); its planned descendants
-            # count their own share, device by device
+        if subtracts:
             b = dict(entry.bytes)
             for dev, n in counted.items():
                 if dev in b:

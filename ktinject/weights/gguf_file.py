@@ -30,7 +30,7 @@ import torch
 from ..errors import WeightError
 from . import gguf_config, gguf_names
 from .quants import quant_class
-from .tensor import GGMLTensor
+from .tensor import GGMLTensor, Stored
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,6 @@ class GGUFSource(Mapping):
         """The layout and the (GGML type, bytes) of each file tensor behind `key`, from the header (no
         tensor data read; None for a key the file lacks): what `plan` counts for operators that keep
         the file's blocks (`ktinject explain`)."""
-        from ..operators.base import Stored
         binding = self.bindings.get(key)
         if binding is None:
             return None

@@ -87,6 +87,19 @@ class FusedTensor:
 WeightLike = Union[torch.Tensor, GGMLTensor, FusedTensor]
 
 
+@dataclass(frozen=True)
+class Stored:
+    """What a weight file holds for one checkpoint key, read from its header alone (no tensor data):
+    the layout that maps it (weights/gguf_names.py: plain, gate_up, stacked, ...) and the GGML type and
+    byte count of each file tensor behind it."""
+    layout: str
+    parts: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.parts)
+
+
 def as_dense(t: WeightLike, dtype: Optional[torch.dtype] = None,
              device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
     """Any weight as a plain tensor of `dtype` on `device` (None: keep the stored dtype / device)."""
